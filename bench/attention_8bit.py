@@ -68,29 +68,14 @@ def random_layer(rng, code: int, D: int, Q: int, KV: int):
 
 
 def eight_bit_layer(qkv8, o8, code: int, D: int, Q: int, KV: int, stream):
-    """Projections8Bit of one layer from its two blocks on the device (meta rows as DeviceWeights makes them)."""
+    """Projections8Bit of one layer from its two blocks, uploaded, as DeviceWeights makes them."""
     from numba import cuda
 
-    from expert_service.cuda.linear_8bit import Matrix8Bit
-    from expert_service.cuda.weights import Projections8Bit
-    from expert_service.kernels.linear_q8 import matrix_meta
+    from expert_service.cuda.weights import layer_projections, projection_metas
 
-    qkv, o = cuda.to_device(qkv8, stream=stream), cuda.to_device(o8, stream=stream)
-    scales = qkv8.size - 4 * (Q + 2 * KV)
-    metas = [
-        matrix_meta(code, scales),
-        matrix_meta(code, scales + 4 * Q, Q * D),
-        matrix_meta(code, scales + 4 * (Q + KV), (Q + KV) * D),
-        matrix_meta(code, o8.size - 4 * D),
-    ]
-    m = [cuda.to_device(x, stream=stream) for x in metas]
-    return Projections8Bit(
-        qkv=Matrix8Bit(qkv, m[0], code, Q + 2 * KV, D),
-        q=Matrix8Bit(qkv, m[0], code, Q, D),
-        k=Matrix8Bit(qkv, m[1], code, KV, D),
-        v=Matrix8Bit(qkv, m[2], code, KV, D),
-        o=Matrix8Bit(o, m[3], code, D, Q),
-    )
+    metas = projection_metas(code, qkv8.size - 4 * (Q + 2 * KV), o8.size - 4 * D, D, Q, KV)
+    upload = functools.partial(cuda.to_device, stream=stream)
+    return layer_projections(upload(qkv8), upload(o8), upload(metas), code, D, Q, KV)
 
 
 def variants(eight, R: int, widest: int, q8_shapes: dict, stream) -> dict:

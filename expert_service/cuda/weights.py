@@ -182,18 +182,35 @@ class Projections8Bit(NamedTuple):
     o: Matrix8Bit
 
 
+def projection_metas(code: int, qkv_scale_offset: int, o_scale_offset: int, D: int, nq: int, nkv: int) -> np.ndarray:
+    """One layer's linear_q8.matrix_meta rows [4, META_WIDTH]: q|k|v (and q: the same offsets, fewer rows), k, v
+    (their codes and scales inside the stacked block) and o, each offset within its block."""
+    return np.concatenate(
+        [
+            matrix_meta(code, qkv_scale_offset),
+            matrix_meta(code, qkv_scale_offset + 4 * nq, nq * D),
+            matrix_meta(code, qkv_scale_offset + 4 * (nq + nkv), (nq + nkv) * D),
+            matrix_meta(code, o_scale_offset),
+        ]
+    )
+
+
 def attention_metas(fmt: AttentionFormat, config: ModelConfig) -> np.ndarray:
-    """Every layer's linear_q8.matrix_meta rows [layers, 4, META_WIDTH]: q|k|v (and q: the same offsets, fewer
-    rows), k, v and o, each offset within its block."""
+    """Every layer's projection_metas [layers, 4, META_WIDTH]."""
     code, D, nq, nkv = expert_quant.CODES[fmt.dtype], config.hidden_size, config.q_size, config.kv_size
-    metas = np.zeros((len(fmt.layers), 4, expert_quant.META_WIDTH), np.int32)
-    for i, b in enumerate(fmt.layers):
-        scales = b.qkv_scale_offset
-        metas[i, 0] = matrix_meta(code, scales)
-        metas[i, 1] = matrix_meta(code, scales + 4 * nq, nq * D)
-        metas[i, 2] = matrix_meta(code, scales + 4 * (nq + nkv), (nq + nkv) * D)
-        metas[i, 3] = matrix_meta(code, b.o_scale_offset)
-    return metas
+    return np.stack([projection_metas(code, b.qkv_scale_offset, b.o_scale_offset, D, nq, nkv) for b in fmt.layers])
+
+
+def layer_projections(qkv, o, meta, code: int, D: int, nq: int, nkv: int) -> Projections8Bit:
+    """Projections8Bit of one layer: qkv and o its two blocks on the device, meta its projection_metas rows there."""
+    rows = [meta[j : j + 1] for j in range(4)]
+    return Projections8Bit(
+        qkv=Matrix8Bit(qkv, rows[0], code, nq + 2 * nkv, D),
+        q=Matrix8Bit(qkv, rows[0], code, nq, D),
+        k=Matrix8Bit(qkv, rows[1], code, nkv, D),
+        v=Matrix8Bit(qkv, rows[2], code, nkv, D),
+        o=Matrix8Bit(o, rows[3], code, D, nq),
+    )
 
 
 def check_head_for_cuda(model: ModelDir) -> None:
@@ -242,14 +259,11 @@ class DeviceWeights:
             block = self.dense_buffer[head.offset : head.offset + head.nbytes]
             self.head_8bit = Matrix8Bit(block, meta, code, self.config.vocab_size, self.config.hidden_size)
         self.attention_8bit = self._attention_8bit(model.attention_format, stream)
-        eight_bit_qkv = self.attention_8bit is not None
         for i in range(self.config.num_hidden_layers):  # one matrix where the format stored them back to back
             for fused, parts in (
                 ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
                 ("qkv_bias", ("q_bias", "k_bias", "v_bias")),
             ):
-                if fused == "qkv_proj" and eight_bit_qkv:  # codes, not weights: attention_8bit has them
-                    continue
                 view = self._back_to_back(model, [f"layers.{i}.{p}" for p in parts])
                 if view is not None:
                     self.views[f"layers.{i}.{fused}"] = view
@@ -282,27 +296,24 @@ class DeviceWeights:
         if fmt is None:
             return None
         cfg, code = self.config, expert_quant.CODES[fmt.dtype]
-        D, nq, nkv = cfg.hidden_size, cfg.q_size, cfg.kv_size
         self.attention_meta = cuda.to_device(attention_metas(fmt, cfg), stream=stream)
-        layers = []
-        for i, b in enumerate(fmt.layers):
-            qkv = self.dense_buffer[b.qkv_offset : b.qkv_offset + b.qkv_nbytes]
-            o = self.dense_buffer[b.o_offset : b.o_offset + b.o_nbytes]
-            meta = [self.attention_meta[i, j : j + 1] for j in range(4)]
-            layers.append(
-                Projections8Bit(
-                    qkv=Matrix8Bit(qkv, meta[0], code, nq + 2 * nkv, D),
-                    q=Matrix8Bit(qkv, meta[0], code, nq, D),
-                    k=Matrix8Bit(qkv, meta[1], code, nkv, D),
-                    v=Matrix8Bit(qkv, meta[2], code, nkv, D),
-                    o=Matrix8Bit(o, meta[3], code, D, nq),
-                )
+        buffer = self.dense_buffer
+        return tuple(
+            layer_projections(
+                buffer[b.qkv_offset : b.qkv_offset + b.qkv_nbytes],
+                buffer[b.o_offset : b.o_offset + b.o_nbytes],
+                self.attention_meta[i],
+                code,
+                cfg.hidden_size,
+                cfg.q_size,
+                cfg.kv_size,
             )
-        return tuple(layers)
+            for i, b in enumerate(fmt.layers)
+        )
 
     def _back_to_back(self, model: ModelDir, names: list[str]):
         stacked = stacked_range([model.entries.get(n) for n in names])
-        if stacked is None:
+        if stacked is None or stacked[2] in dtypes.QUANTIZED_DTYPES:  # 8-bit codes are attention_8bit's, not weights
             return None
         offset, nbytes, dtype, shape = stacked
         return self.dense_buffer[offset : offset + nbytes].view(dtypes.STORAGE[dtype]).reshape(shape)

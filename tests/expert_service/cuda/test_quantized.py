@@ -90,13 +90,18 @@ def engines(request, tmp_path_factory):
     )
 
 
-def test_greedy_tokens_match_cpu(engines):
+def check_greedy_tokens(engines, lengths, seed: int) -> None:
+    """Ten greedy tokens after random prompts of `lengths` tokens: every gpu's equal the cpu backend's."""
     name, cpu, gpus = engines
-    for i, n in enumerate((1, 5, 13, 70, 130)):  # 1: by slot; up to 64 grouped; above per-expert cuBLAS
-        prompt = random_prompt(30 + i, n)
+    for i, n in enumerate(lengths):
+        prompt = random_prompt(seed + i, n)
         want = cpu.generate(prompt, 10)[0]
         for mode, gpu in gpus.items():
             assert gpu.generate(prompt, 10)[0] == want, f"{name} {mode} prompt of {n}"
+
+
+def test_greedy_tokens_match_cpu(engines):
+    check_greedy_tokens(engines, (1, 5, 13, 70, 130), seed=30)  # 1: by slot; up to 64 grouped; above per-expert cuBLAS
 
 
 def test_batched_decode_logits_close_to_cpu(engines):

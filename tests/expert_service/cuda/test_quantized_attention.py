@@ -17,6 +17,7 @@ from tests.expert_service.cuda.test_quantized import (
     EXACT_ACTIVATIONS,
     TOLERANCE,
     check_batched_decode,
+    check_greedy_tokens,
     check_prompt_logits,
 )
 from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
@@ -55,12 +56,7 @@ def engines(request, tmp_path_factory):
 
 
 def test_greedy_tokens_match_cpu(engines):
-    name, cpu, gpus = engines
-    for i, n in enumerate((1, 3, 6, 70)):  # one row, a token tile, past it, many tiles
-        prompt = random_prompt(40 + i, n)
-        want = cpu.generate(prompt, 10)[0]
-        for mode, gpu in gpus.items():
-            assert gpu.generate(prompt, 10)[0] == want, f"{name} {mode} prompt of {n}"
+    check_greedy_tokens(engines, (1, 3, 6, 70), seed=40)  # one row, a token tile, past it, many tiles
 
 
 def test_batched_decode_logits_close_to_cpu(engines):

@@ -14,7 +14,13 @@ from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
 from expert_service.tools.convert import convert
 from expert_service.tools.tiny_model import write_tiny_checkpoint
-from tests.expert_service.cuda.test_quantized import CFG, EXACT_ACTIVATIONS, check_batched_decode, check_prompt_logits
+from tests.expert_service.cuda.test_quantized import (
+    CFG,
+    EXACT_ACTIVATIONS,
+    check_batched_decode,
+    check_greedy_tokens,
+    check_prompt_logits,
+)
 from tests.helpers import random_prompt
 
 pytestmark = pytest.mark.gpu
@@ -66,12 +72,7 @@ def engines(request, tmp_path_factory):
 
 
 def test_greedy_tokens_match_cpu(engines):
-    name, cpu, gpus = engines
-    for i, n in enumerate((1, 6, 70)):
-        prompt = random_prompt(90 + i, n)
-        want = cpu.generate(prompt, 10)[0]
-        for mode, gpu in gpus.items():
-            assert gpu.generate(prompt, 10)[0] == want, f"{name} {mode} prompt of {n}"
+    check_greedy_tokens(engines, (1, 6, 70), seed=90)
 
 
 def test_batched_decode_logits_close_to_cpu(engines):
