@@ -17,6 +17,7 @@ decoder in the same run:
 - moe_ffn_waves: fused, bf16 expert-cache waves on moe_ffn's CUDA-core kernels (cached_mma off);
 - in_order_dequant: fused, 8-bit per-expert cuBLAS steps widening and running each group in turn
            (overlap_dequant off).
+- l2_prefetch: fused, decode steps prefetching weights into L2 a kernel or two ahead (cuda/l2_warm.py).
 - mma_sync_experts: fused, grouped-MMA steps on the mma.sync kernels at every size (wgmma_experts off: on sm_90
            steps of 96+ rows per expert otherwise take the warpgroup-MMA kernels).
 
@@ -97,6 +98,7 @@ VARIANTS = {
     "in_order_dequant": {"overlap_dequant": False},
     "mma_sync_experts": {"wgmma_experts": False},
     "decode_splits_per_step": {"decode_splits_per_step": True},
+    "l2_prefetch": {"l2_prefetch": True},
     # mixtral-like layers: steps from 96 rows an expert up to 2,048 tokens on the wgmma grouped kernel (the shipped
     # window, `fused`, stops at 1,024), or none (every step above 64 tokens on per-expert cuBLAS)
     "few_expert_off": {"grouped_mma_max_tokens_few_experts": 0},

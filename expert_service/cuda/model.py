@@ -12,6 +12,7 @@ from numba import cuda
 
 from common.model_config import ModelConfig, QKNorm
 from expert_service.cuda.attention_8bit import DeviceAttention8Bit
+from expert_service.cuda.l2_warm import L2Warmer
 from expert_service.cuda.linear import GEMV_MAX_TOKENS, DeviceLinear
 from expert_service.cuda.linear_8bit import EightBitRows, Matrix8Bit
 from expert_service.cuda.moe import DeviceMoe
@@ -74,6 +75,7 @@ class CudaModel:
         self.moe = DeviceMoe(
             config, weights, workspace, linear, stream, cached, options=options, planned=planned, host_break=host_break
         )
+        self.warm = L2Warmer(config, weights, stream)
 
     def use_options(self, options: CudaOptions) -> None:
         """The paths the next passes take (the runner drops the graphs captured with the old ones)."""
@@ -102,7 +104,9 @@ class CudaModel:
             if cfg.sparse_layers[i]:
                 last = i + 1 == cfg.num_hidden_layers
                 fuse = self.options.fused_combine_norm and not last
-                normed = self.moe.forward(i, x, h, T, next_norm=w.layer(i + 1, "input_norm") if fuse else None)
+                warm = self.warm if decode and self.options.l2_prefetch else None
+                next_norm = w.layer(i + 1, "input_norm") if fuse else None
+                normed = self.moe.forward(i, x, h, T, next_norm=next_norm, warm=warm)
             else:
                 g = ws.dense_gate[:T]
                 self.linear.swiglu(x, w.layer(i, "gate_proj"), w.layer(i, "up_proj"), g, ws.dense_up[:T])
@@ -158,6 +162,8 @@ class CudaModel:
             xc = self.linear.as_weight_dtype(x) if T > GEMV_MAX_TOKENS else None
             for name, out in (("q", q), ("k", k), ("v", v)):
                 self.linear.linear(x, w.layer(i, f"{name}_proj"), out, bias=w.layer(i, f"{name}_bias"), xc=xc)
+        if decode and self.options.l2_prefetch:  # o and the router arrive in L2 while attention runs
+            self.warm.attention(i)
         H, Hkv, Hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q3, k3, v3 = q.reshape(T, H, Hd), k.reshape(T, Hkv, Hd), v.reshape(T, Hkv, Hd)
         if self.fused_qk_norm:  # per-head q/k norms, RoPE and the KV write in one launch

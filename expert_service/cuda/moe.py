@@ -113,12 +113,14 @@ class DeviceMoe:
         # gate_fused's tickets: zero before its first launch, and every launch leaves them zero
         workspace.router_counter.copy_to_device(np.zeros(workspace.router_counter.shape[0], np.int32), stream=stream)
 
-    def forward(self, i: int, x, h, T: int, next_norm=None) -> bool:
+    def forward(self, i: int, x, h, T: int, next_norm=None, warm=None) -> bool:
         """Layer i's MoE block on x [T, D] (normed input), added into the residual h [T, D]. The top-k ids of
         MoE layer m stay in workspace.topk_ids[m] for the step's trace. next_norm: the next layer's input-norm
         weight [D]; unless a shared expert still reads x after the combine, the combine then also writes
         x = rmsnorm(h) with it (moe_combine_rmsnorm) and forward returns True (x holds the next layer's input) --
-        for steps of FUSED_COMBINE_NORM_MIN_TOKENS or more, and for the all-experts combine at any size."""
+        for steps of FUSED_COMBINE_NORM_MIN_TOKENS or more, and for the all-experts combine at any size. warm: an
+        L2Warmer to prefetch the picked experts and the next layer's q|k|v once the router has run (decode steps
+        under CudaOptions.l2_prefetch)."""
         cfg, ws, st = self.config, self.ws, self.stream
         K = cfg.num_experts_per_tok
         n = T * K
@@ -141,6 +143,8 @@ class DeviceMoe:
         else:
             self.linear.linear(x, router, logits)
             launch_gate_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)
+        if warm is not None:  # the experts one token streams by slot from the resident buffer
+            warm.experts(i, ids, T == 1 and strategy in (MoeStrategy.GEMV, MoeStrategy.Q8))
         experts = self.weights.experts.get(i)
         if strategy in (MoeStrategy.GROUPED_MMA, MoeStrategy.Q8_MMA):
             q8 = strategy is MoeStrategy.Q8_MMA

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 # Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
 # Every other switch defaults to the shipped path.
-EXPERIMENTAL: frozenset[str] = frozenset({"decode_splits_per_step", "q8_decode_activations", "shared_prefix_attention"})
+EXPERIMENTAL: frozenset[str] = frozenset(
+    {"decode_splits_per_step", "q8_decode_activations", "shared_prefix_attention", "l2_prefetch"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,11 @@ class CudaOptions:
     # at 16 sequences over 2,048 shared tokens, 0.7x at short prefixes or 64 sequences (docs/kernels.md), so off.
     # Laid out only when the engine's config has it on (False: every sequence reads its whole context)
     shared_prefix_attention: bool = False
+    # EXPERIMENTAL: decode steps prefetch weights into L2 a kernel or two before they are streamed (cuda/l2_warm.py:
+    # after q|k|v, the layer's o and router rows; after the router, the picked experts of a one-token step and the
+    # next layer's q|k|v), so the HBM stays busy through the short kernels in between. Outputs are unchanged (a
+    # prefetch is a hint) (False: every weight stream starts cold)
+    l2_prefetch: bool = False
     # a MoE layer's combine also writes the next layer's input RMSNorm, moe_combine_rmsnorm, where cuda/moe.py
     # finds it pays (FUSED_COMBINE_NORM_MIN_TOKENS) (False: rmsnorm at the next layer's start)
     fused_combine_norm: bool = True

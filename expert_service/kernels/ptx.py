@@ -49,6 +49,10 @@ array during the kernel (`.nc` goes through the read-only path). No bounds check
   kernel's blocks start once every block has called the first; the dependent calls the second before it reads
   what its predecessor wrote (it returns when the predecessor has completed and its memory is visible). Without a
   programmatic edge both return at once.
+- ``prefetch_l2_bulk(a, i, nbytes)``: ``cp.async.bulk.prefetch.L2.global`` (sm_90): the bulk-copy unit starts
+  bringing `nbytes` (a multiple of 16) of global memory from a[i] (1-d uint8 / uint32 array, a[i] 16-byte aligned)
+  into L2 and the thread goes on at once: no registers, no completion to wait for. A hint: a later load finds
+  the bytes in L2 or on their way there, and nothing is wrong if it does not.
 Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) inline PTX cannot run; the same names are plain array
 reads and copies (the waits do nothing), so kernels using them still run (slowly) on tiny shapes.
 """
@@ -89,6 +93,10 @@ if SIMULATOR:
         pass
 
     griddep_launch_dependents = griddep_wait = cp_async_commit   # no programmatic launch here: nothing to do
+
+    @cuda.jit(device=True)
+    def prefetch_l2_bulk(a, i, nbytes):
+        pass    # no cache to warm
 
     @cuda.jit(device=True)
     def ld_shared(a, i):
@@ -309,6 +317,24 @@ else:
         """Device function: wait until at most `pending` of this thread's cp.async groups are in flight."""
         return _statement(f"cp.async.wait_group {int(pending)};", cp_async_wait_fn.__doc__ or "")  # None only under -OO
 
+
+    @intrinsic
+    def prefetch_l2_bulk(typingctx, array, index, nbytes):
+        """Start an L2 prefetch of nbytes from array[index] (module docstring)."""
+        _require_indexed("an L2 prefetch", array, (types.uint8, types.uint32), index)
+        if not isinstance(nbytes, types.Integer):
+            raise NumbaTypeError(f"an L2 prefetch needs an integer byte count, got {nbytes}")
+        sig = types.void(array, index, nbytes)
+
+        def codegen(context, builder, sig, args):
+            array_t, index_t, size_t = sig.args
+            ptr = _item_pointer(context, builder, array_t, args[0], index_t, args[1])
+            size = context.cast(builder, args[2], size_t, types.uint32)
+            fnty = ir.FunctionType(ir.VoidType(), [ptr.type, ir.IntType(32)])
+            asm = "cp.async.bulk.prefetch.L2.global [$0], $1;"
+            builder.call(ir.InlineAsm(fnty, asm, "l,r,~{memory}", side_effect=True), [ptr, size])
+            return context.get_dummy_value()
+        return sig, codegen
 
     @intrinsic
     def dp4a(typingctx, a, b, c):

@@ -1,0 +1,175 @@
+"""L2 prefetch of a decode step's weights (cuda/l2_warm.py, kernels/l2_prefetch.py).
+
+No GPU: the tables point at exactly the bytes of the weights the next kernels read (o, the router, the next layer's
+q|k|v; dense and 8-bit projections), the expert span fits the budget, and the kernel's pieces cover each range and
+picked block exactly once (the simulator records them). GPU: decode with the option on gives the tokens and
+logits of decode without it, bit for bit, graph-replayed, and launches two prefetches a layer.
+"""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+import expert_service.cuda.l2_warm as l2_warm
+import expert_service.cuda.weights as weights_module
+from common.model_format import ModelDir
+from expert_service.cuda.weights import DeviceWeights
+from expert_service.kernels import l2_prefetch
+from expert_service.kernels.numeric import SIMULATOR
+from expert_service.tools.convert import convert
+from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
+
+# (family, attention dtype, expert dtype)
+MODELS = [("qwen3_moe", None, None), ("qwen2_moe", "int8", "int8"), ("mixtral", "fp8", "fp8")]
+
+
+def device_weights(model: ModelDir, monkeypatch) -> DeviceWeights:
+    """The model's weights through DeviceWeights (simulator: the upload is a copy, pinning recorded away)."""
+    monkeypatch.setattr(weights_module, "pin_readonly", lambda host, mapped=False: True)
+    monkeypatch.setattr(weights_module, "unpin", lambda host: None)
+    return DeviceWeights(model, stream=cuda.default_stream())
+
+
+def model_dir(tmp_path, family, attention, experts, seed=5) -> ModelDir:
+    write_head_checkpoint(tmp_path / "hf", head_config(family), seed=seed)
+    out = convert(tmp_path / "hf", tmp_path / "m", "bfloat16", False, expert_dtype=experts, attention_dtype=attention)
+    return ModelDir.open(out)
+
+
+def covered_bytes(dense: np.ndarray, table) -> bytes:
+    return b"".join(dense[o : o + n].tobytes() for o, n in table.copy_to_host())
+
+
+def tensor_bytes(model: ModelDir, names) -> bytes:
+    return b"".join(model.raw_bytes(n).tobytes() for n in names)
+
+
+@pytest.mark.parametrize("family,attention,experts", MODELS)
+def test_tables_cover_the_weights_the_next_kernels_read(tmp_path, monkeypatch, family, attention, experts):
+    model = model_dir(tmp_path, family, attention, experts)
+    weights = device_weights(model, monkeypatch)
+    cfg = model.config
+    warm = l2_warm.L2Warmer(cfg, weights, cuda.default_stream())
+    dense = weights.dense_buffer.copy_to_host()
+    L = cfg.num_hidden_layers
+    for i in range(L):
+        got = covered_bytes(dense, warm.after_qkv[i])
+        o = tensor_bytes(model, [f"layers.{i}.o_proj"])
+        router = tensor_bytes(model, [f"layers.{i}.router"] if cfg.sparse_layers[i] else [])
+        assert o in got and router in got, f"layer {i}: o projection and router"
+        scales = 4 * cfg.hidden_size + 64 if attention else 0  # an 8-bit o block: codes, then their scales
+        assert len(got) <= len(o) + len(router) + 2 * 16 + scales, f"layer {i}: little else"
+        if i + 1 < L:
+            qkv = [f"layers.{i + 1}.{p}_proj" for p in ("q", "k", "v")]
+            got = covered_bytes(dense, warm.after_router[i])
+            assert all(tensor_bytes(model, [name]) in got for name in qkv), f"layer {i + 1}: q|k|v"
+        else:
+            assert warm.after_router[i] is None
+    for layer, span in warm.expert_bytes.items():
+        lo, hi = span
+        assert lo == 0 and hi <= weights.expert_strides[layer], "a tiny model's picks fit whole"
+        assert cfg.num_experts_per_tok * (hi - lo) <= l2_warm.EXPERT_BYTES
+    weights.close()
+
+
+def test_experts_too_large_for_the_budget_warm_their_down_rows_or_nothing(tmp_path, monkeypatch):
+    model = model_dir(tmp_path, "qwen2_moe", None, "int8")
+    weights = device_weights(model, monkeypatch)
+    cfg, layer = model.config, model.config.moe_layers[0]
+    whole = l2_warm.L2Warmer(cfg, weights, cuda.default_stream()).expert_bytes[layer]
+    meta = weights.expert_meta[layer].copy_to_host()[0]
+    down = int(meta[4])  # the down rows' offset in the block: the warmed span starts there
+    K = cfg.num_experts_per_tok
+    monkeypatch.setattr(l2_warm, "EXPERT_BYTES", K * (whole[1] - down))
+    assert l2_warm.L2Warmer(cfg, weights, cuda.default_stream()).expert_bytes[layer] == (down, whole[1])
+    monkeypatch.setattr(l2_warm, "EXPERT_BYTES", K * (whole[1] - down) - 16)
+    assert l2_warm.L2Warmer(cfg, weights, cuda.default_stream()).expert_bytes[layer] is None
+    weights.close()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="records the simulator's prefetch calls")
+def test_the_kernel_prefetches_every_range_and_picked_block_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(l2_prefetch, "prefetch_l2_bulk", lambda a, i, n: calls.append((a.size, int(i), int(n))))
+    monkeypatch.setattr(l2_prefetch, "PIECE", 64)  # several pieces a lane, and past the warp
+    rng = np.random.default_rng(3)
+    buffer = cuda.to_device(np.zeros(1 << 14, np.uint8))
+    ranges = [[16, 48], [4096, 64 * 40 + 32], [9000 // 16 * 16, 1024]]
+    table = cuda.to_device(l2_prefetch.check_ranges(ranges, buffer.size))
+    E, stride = 11, 320  # elements of bf16: 640-byte blocks
+    experts = cuda.to_device(rng.integers(0, 1 << 16, (E, stride), dtype=np.uint16))
+    picks = np.array([[3, 9, -1, 11, 0]], np.int32)  # -1 and 11 are outside [0, E): skipped
+    l2_prefetch.launch_prefetch(buffer, table, experts=experts, ids=cuda.to_device(picks), lo=128, hi=640)
+
+    def spans(size):
+        pieces = sorted((i, n) for s, i, n in calls if s == size)
+        assert all(0 < n <= 64 and n % 16 == 0 for _, n in pieces)
+        merged = []
+        for i, n in pieces:
+            if merged and merged[-1][0] + merged[-1][1] == i:
+                merged[-1][1] += n
+            else:
+                merged.append([i, n])
+        assert sum(n for _, n in pieces) == sum(n for _, n in merged)  # nothing twice
+        return merged
+
+    assert spans(buffer.size) == ranges
+    assert spans(E * stride * 2) == [[e * 640 + 128, 512] for e in (0, 3, 9)]
+
+
+def test_bad_prefetch_arguments_are_one_line():
+    buffer = cuda.to_device(np.zeros(256, np.uint8))
+    for ranges, what in (([[8, 32]], "offset 8"), ([[0, 24]], "size 24"), ([[0, 272]], "past the end"), ([], "none")):
+        with pytest.raises(ValueError) as error:
+            l2_prefetch.check_ranges(ranges, buffer.size)
+        assert "\n" not in str(error.value), what
+    experts = cuda.to_device(np.zeros((4, 64), np.uint8))
+    ids = cuda.to_device(np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match=r"^expert bytes \[0, 80\) of 64-byte blocks"):
+        l2_prefetch.launch_prefetch(buffer, experts=experts, ids=ids, lo=0, hi=80)
+    with pytest.raises(ValueError, match="^nothing to prefetch"):
+        l2_prefetch.launch_prefetch(buffer)
+    with pytest.raises(ValueError, match="^ids"):
+        l2_prefetch.launch_prefetch(buffer, experts=experts, ids=cuda.to_device(np.zeros(2, np.int64)), lo=0, hi=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,attention,experts", MODELS)
+def test_decode_with_prefetches_is_decode_without_them(tmp_path, monkeypatch, family, attention, experts):
+    """Greedy decode of one sequence and of three, graph-replayed: the same tokens and logits bit for bit; the
+    eager steps launch two prefetches a MoE layer at one token (one after q|k|v, one after the router)."""
+    from expert_service.backends import build_engine
+    from expert_service.engine.config import EngineConfig
+    from expert_service.engine.cuda_options import CudaOptions
+    from expert_service.engine.engine import PrefillInput
+    from expert_service.engine.sampling import SamplingParams
+    from tests.helpers import random_prompt
+
+    model = model_dir(tmp_path, family, attention, experts)
+    cfg = dict(kv_block_size=8, kv_cache_tokens=2048, max_batch_tokens=256, max_batch_size=4, backend="cuda")
+
+    def run(options, graphs=True):
+        engine = build_engine(model, EngineConfig(**cfg, cuda_options=options, cuda_graphs=graphs))
+        out = []
+        for rids in ([0], [1, 2, 3]):
+            engine.step([PrefillInput(r, np.array(random_prompt(60 + r, 5 + 7 * r)), SamplingParams(), True)
+                         for r in rids])
+            for _ in range(6):
+                result = engine.step(decode_ids=rids)
+                out.append(([o.token_id for o in result.outputs], np.stack(list(result.logits))))
+            engine.clear()
+        engine.decoder.close()
+        return out
+
+    plain = run(CudaOptions())
+    warmed = run(CudaOptions(l2_prefetch=True))
+    for step, ((ta, la), (tb, lb)) in enumerate(zip(plain, warmed)):
+        assert ta == tb and np.array_equal(la, lb), f"step {step}"
+    launches = []
+    monkeypatch.setattr(l2_warm, "launch_prefetch", lambda *a, **k: launches.append(k.get("experts") is not None))
+    eager = run(CudaOptions(l2_prefetch=True), graphs=False)
+    assert [t for t, _ in eager] == [t for t, _ in plain]
+    L, moe = model.config.num_hidden_layers, model.config.moe_layers
+    assert launches.count(True) == 6 * len(moe)  # the one-sequence decode steps' picked experts
+    # every layer's o / router after q|k|v; after each router the next layer's q|k|v (the last layer's: only picks)
+    assert len(launches) == 12 * L + sum(6 + (6 if i + 1 < L else 0) for i in moe)
