@@ -72,8 +72,9 @@ def dense_case(name, rng, stream, code):
     for c in range(copies):
         buf[c * nbytes : c * nbytes + raw.size] = raw
     dev = cuda.to_device(buf, stream=stream)
-    tables = [cuda.to_device(l2_prefetch.check_ranges([[c * nbytes, nbytes]], buf.size), stream=stream)
-              for c in range(copies)]
+    tables = [
+        cuda.to_device(l2_prefetch.check_ranges([[c * nbytes, nbytes]], buf.size), stream=stream) for c in range(copies)
+    ]
     x = cuda.to_device(rng.standard_normal((1, K), dtype=np.float32), stream=stream)
     out = cuda.device_array((1, N), np.float32, stream=stream)
     if code is None:
@@ -115,8 +116,10 @@ def experts_case(rng, stream, shape, code, down_only: bool):
         used_lo, used_hi = (offs[2] if down_only else 0), -(-offs[6] // 16) * 16
     copies = max(2, COPIES_BYTES // blocks.nbytes)
     devs = [cuda.to_device(blocks, stream=stream) for _ in range(copies)]
-    ids = [cuda.to_device(rng.choice(E, K, replace=False).astype(np.int32).reshape(1, K), stream=stream)
-           for _ in range(copies)]
+    ids = [
+        cuda.to_device(rng.choice(E, K, replace=False).astype(np.int32).reshape(1, K), stream=stream)
+        for _ in range(copies)
+    ]
     x = cuda.to_device(rng.standard_normal((1, D), dtype=np.float32), stream=stream)
     h = cuda.device_array((K, F), np.float32, stream=stream)
     y = cuda.device_array((K, D), np.float32, stream=stream)
@@ -189,12 +192,22 @@ def main(argv=None) -> int:
         for name, (launch, prefetch, nbytes) in cases.items():
             plain = chain_us(stream, layers, spin_ns, launch) - base
             warmed = chain_us(stream, layers, spin_ns, launch, prefetch) - base
-            row = {"case": name, "spin_us": spin_ns / 1000, "stand_in_us": base, "bytes": int(nbytes),
-                   "plain_us": plain, "prefetched_us": warmed, "speedup": plain / warmed if warmed > 0 else None}
+            row = {
+                "case": name,
+                "spin_us": spin_ns / 1000,
+                "stand_in_us": base,
+                "bytes": int(nbytes),
+                "plain_us": plain,
+                "prefetched_us": warmed,
+                "speedup": plain / warmed if warmed > 0 else None,
+            }
             rows.append(row)
-            print(f"spin {spin_ns / 1000:4.1f} us (measured {base:6.2f}) {name:20s} {nbytes / 2**20:6.1f} MB: "
-                  f"plain {plain:7.2f} us ({nbytes / plain / 1e6 if plain > 0 else 0:5.2f} TB/s)  "
-                  f"prefetched {warmed:7.2f} us  {row['speedup'] or 0:.2f}x", flush=True)
+            print(
+                f"spin {spin_ns / 1000:4.1f} us (measured {base:6.2f}) {name:20s} {nbytes / 2**20:6.1f} MB: "
+                f"plain {plain:7.2f} us ({nbytes / plain / 1e6 if plain > 0 else 0:5.2f} TB/s)  "
+                f"prefetched {warmed:7.2f} us  {row['speedup'] or 0:.2f}x",
+                flush=True,
+            )
             Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
     return 0
 

@@ -152,8 +152,9 @@ def test_decode_with_prefetches_is_decode_without_them(tmp_path, monkeypatch, fa
         engine = build_engine(model, EngineConfig(**cfg, cuda_options=options, cuda_graphs=graphs))
         out = []
         for rids in ([0], [1, 2, 3]):
-            engine.step([PrefillInput(r, np.array(random_prompt(60 + r, 5 + 7 * r)), SamplingParams(), True)
-                         for r in rids])
+            engine.step(
+                [PrefillInput(r, np.array(random_prompt(60 + r, 5 + 7 * r)), SamplingParams(), True) for r in rids]
+            )
             for _ in range(6):
                 result = engine.step(decode_ids=rids)
                 out.append(([o.token_id for o in result.outputs], np.stack(list(result.logits))))
