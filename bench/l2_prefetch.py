@@ -124,6 +124,7 @@ def experts_case(rng, stream, shape, code, down_only: bool):
     h = cuda.device_array((K, F), np.float32, stream=stream)
     y = cuda.device_array((K, D), np.float32, stream=stream)
     kinds = ((code, q.SCALE_CHANNEL),)
+    none = cuda.to_device(np.zeros((1, 2), np.int64), stream=stream)  # no dense ranges: the picks only
 
     def launch(j, s):
         c = j % copies
@@ -136,7 +137,7 @@ def experts_case(rng, stream, shape, code, down_only: bool):
 
     def prefetch(j, s):
         c = j % copies
-        l2_prefetch.launch_prefetch(devs[c], experts=devs[c], ids=ids[c], lo=used_lo, hi=used_hi, stream=s)
+        l2_prefetch.launch_prefetch(devs[c], none, experts=devs[c], ids=ids[c], lo=used_lo, hi=used_hi, stream=s)
 
     return launch, prefetch, K * (offs[3] if code is None else offs[6])
 

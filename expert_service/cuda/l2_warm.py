@@ -35,7 +35,7 @@ class L2Warmer:
         self.buffer = weights.dense_buffer
         base, end = _address(self.buffer), _address(self.buffer) + self.buffer.nbytes
 
-        def ranges(arrays) -> np.ndarray | None:
+        def ranges(arrays) -> list[list[int]]:
             rows = []
             for a in arrays:
                 if a is None:
@@ -44,13 +44,21 @@ class L2Warmer:
                 if base <= lo and hi <= end:  # a view of the dense buffer (every dense weight is)
                     start = (lo - base) // 16 * 16
                     rows.append([start, -(-(hi - base) // 16) * 16 - start])
-            if not rows:
-                return None
-            return cuda.to_device(check_ranges(rows, self.buffer.nbytes), stream=stream)
+            return rows
 
         L = config.num_hidden_layers
-        self.after_qkv = [ranges([self._o(i), weights.layer(i, "router")]) for i in range(L)]
-        self.after_router = [ranges(self._qkv(i + 1)) if i + 1 < L else None for i in range(L)]
+        per_layer = [ranges([self._o(i), weights.layer(i, "router")]) for i in range(L)]
+        per_layer += [ranges(self._qkv(i + 1)) if i + 1 < L else [] for i in range(L)]
+        # one table for every layer (one allocation; row 0 prefetches nothing: a layer without ranges reads it)
+        rows, spans = [[0, 0]], []
+        for layer_rows in per_layer:
+            spans.append((len(rows), len(rows) + len(layer_rows)) if layer_rows else (0, 1))
+            rows += layer_rows
+        if len(rows) > 1:
+            check_ranges(rows[1:], self.buffer.nbytes)
+        self.table = cuda.to_device(np.asarray(rows, np.int64), stream=stream)
+        self.after_qkv = [self.table[a:b] for a, b in spans[:L]]
+        self.after_router = [self.table[a:b] for a, b in spans[L:]]
         self.expert_bytes = {layer: self._expert_range(layer) for layer in weights.experts}
 
     def _o(self, i: int):
@@ -89,17 +97,16 @@ class L2Warmer:
 
     def attention(self, i: int) -> None:
         """After layer i's q|k|v launch: its o projection and router."""
-        table = self.after_qkv[i]
-        if table is not None:
-            launch_prefetch(self.buffer, table, stream=self.stream)
+        launch_prefetch(self.buffer, self.after_qkv[i], stream=self.stream)
 
     def experts(self, i: int, ids, resident: bool) -> None:
         """After layer i's router wrote ids: the picked experts (resident ones only: the expert cache's slots are
-        filled by its own copies) and the next layer's q|k|v."""
-        table = self.after_router[i]
+        filled by its own copies) and the next layer's q|k|v (none after the last layer)."""
         span = self.expert_bytes.get(i) if resident else None
-        if span is None and table is None:
+        if span is None:
+            if i + 1 < self.config.num_hidden_layers:
+                launch_prefetch(self.buffer, self.after_router[i], stream=self.stream)
             return
-        experts = self.weights.experts[i] if span is not None else None
-        lo, hi = span if span is not None else (0, 0)
-        launch_prefetch(self.buffer, table, experts=experts, ids=ids, lo=lo, hi=hi, stream=self.stream)
+        lo, hi = span
+        experts = self.weights.experts[i]
+        launch_prefetch(self.buffer, self.after_router[i], experts=experts, ids=ids, lo=lo, hi=hi, stream=self.stream)

@@ -26,7 +26,7 @@ PIECE = 1 << 16  # bytes one bulk prefetch asks for: 256 of them cover a 16 MB m
 
 
 def _prefetch_kernel(buffer, ranges, n_ranges, experts, n_experts, stride, ids, lo, hi):
-    """buffer: flat uint8; ranges [>= n_ranges, 2] int64 (offset, nbytes) into it; experts: a flat uint8 [E * stride]
+    """buffer: flat uint8; ranges [>= n_ranges, 2] int64 (offset, nbytes) into it (nbytes 0: none); experts: a flat uint8 [E * stride]
     buffer; ids [n] int32: bytes [lo, hi) of each picked block (first: a router's picks are read soonest), then the
     ranges. One warp: lane l issues pieces l, l + 32, ... of each."""
     lane = cuda.threadIdx.x
@@ -67,45 +67,32 @@ def check_ranges(ranges, buffer_bytes: int) -> np.ndarray:
     return table
 
 
-def launch_prefetch(buffer, ranges=None, experts=None, ids=None, lo: int = 0, hi: int = 0, stream=0) -> None:
-    """Prefetch into L2: the `ranges` [n, 2] int64 device table (check_ranges) of `buffer` (any C-contiguous
-    device array, taken as its bytes), and/or bytes [lo, hi) (multiples of 16) of the blocks of `experts` (device
-    [E, stride] of any dtype, a row a block) that `ids` (int32 device array of any shape, read on the device;
-    ids outside [0, E) skipped) names. One launch of one warp."""
-    if ranges is None and experts is None:
-        raise ValueError("nothing to prefetch: give ranges, experts or both")
+def launch_prefetch(buffer, ranges, experts=None, ids=None, lo: int = 0, hi: int = 0, stream=0) -> None:
+    """Prefetch into L2 the `ranges` [n, 2] int64 device table (check_ranges; a row [0, 0] prefetches nothing) of
+    `buffer` (any C-contiguous device array, taken as its bytes), and, given `experts` (device [E, stride] of any
+    dtype, a row a block), bytes [lo, hi) (multiples of 16) of the blocks that `ids` (int32 device array of any
+    shape, read on the device; ids outside [0, E) skipped) names. One launch of one warp; nothing allocated, so
+    a graph capture may hold it."""
     flat = _flat_bytes("buffer", buffer)
-    if ranges is not None:
-        check_array("ranges", ranges, (ranges.shape[0], 2), np.int64)
-    if experts is not None:
+    check_array("ranges", ranges, (ranges.shape[0], 2), np.int64)
+    if experts is None:
+        if ids is not None:
+            raise ValueError("ids without experts: give the expert buffer the ids index")
+        # no picks: the kernel's expert loop reads the ranges' words as ids against E = 0 and skips them all
+        blocks, n_experts, stride, picks = flat, 0, 0, ranges.reshape(ranges.size).view(np.int32)
+    else:
         if experts.ndim != 2:
             raise ValueError(f"experts must be [E, stride] (a block a row), got {list(experts.shape)}")
         blocks = _flat_bytes("experts", experts)
         n_experts, stride = experts.shape[0], blocks.size // experts.shape[0]
         if stride % 16 or lo % 16 or hi % 16 or not 0 <= lo < hi <= stride:
             raise ValueError(f"expert bytes [{lo}, {hi}) of {stride}-byte blocks: multiples of 16 within a block")
+        if ids is None:
+            raise ValueError("experts without ids: give the router's picks")
         picks = ids.reshape(ids.size)
         check_array("ids", picks, (ids.size,), np.int32)
-    else:
-        blocks, n_experts, stride, picks = flat, 0, 0, _no_ids(stream)
-    table = ranges if ranges is not None else _no_ranges(stream)
-    _prefetch[1, WARP, stream](flat, table, np.int64(0 if ranges is None else ranges.shape[0]), blocks,
-                               np.int64(n_experts), np.int64(stride), picks, np.int64(lo), np.int64(hi))
-
-
-_EMPTY: dict = {}
-
-
-def _no_ids(stream):
-    if "ids" not in _EMPTY:
-        _EMPTY["ids"] = cuda.to_device(np.full(1, -1, np.int32), stream=stream)  # -1: skipped
-    return _EMPTY["ids"]
-
-
-def _no_ranges(stream):
-    if "ranges" not in _EMPTY:
-        _EMPTY["ranges"] = cuda.to_device(np.zeros((1, 2), np.int64), stream=stream)  # n_ranges 0: unread
-    return _EMPTY["ranges"]
+    _prefetch[1, WARP, stream](flat, ranges, np.int64(ranges.shape[0]), blocks, np.int64(n_experts), np.int64(stride),
+                               picks, np.int64(lo), np.int64(hi))
 
 
 def sm90_signatures():

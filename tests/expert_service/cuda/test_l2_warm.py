@@ -64,7 +64,7 @@ def test_tables_cover_the_weights_the_next_kernels_read(tmp_path, monkeypatch, f
             got = covered_bytes(dense, warm.after_router[i])
             assert all(tensor_bytes(model, [name]) in got for name in qkv), f"layer {i + 1}: q|k|v"
         else:
-            assert warm.after_router[i] is None
+            assert covered_bytes(dense, warm.after_router[i]) == b""  # the table's empty row
     for layer, span in warm.expert_bytes.items():
         lo, hi = span
         assert lo == 0 and hi <= weights.expert_strides[layer], "a tiny model's picks fit whole"
@@ -95,7 +95,7 @@ def test_the_kernel_prefetches_every_range_and_picked_block_once(monkeypatch):
     rng = np.random.default_rng(3)
     buffer = cuda.to_device(np.zeros(1 << 14, np.uint8))
     ranges = [[16, 48], [4096, 64 * 40 + 32], [9000 // 16 * 16, 1024]]
-    table = cuda.to_device(l2_prefetch.check_ranges(ranges, buffer.size))
+    table = cuda.to_device(np.concatenate([[[0, 0]], l2_prefetch.check_ranges(ranges, buffer.size)]))  # [0, 0]: none
     E, stride = 11, 320  # elements of bf16: 640-byte blocks
     experts = cuda.to_device(rng.integers(0, 1 << 16, (E, stride), dtype=np.uint16))
     picks = np.array([[3, 9, -1, 11, 0]], np.int32)  # -1 and 11 are outside [0, E): skipped
@@ -126,11 +126,16 @@ def test_bad_prefetch_arguments_are_one_line():
     experts = cuda.to_device(np.zeros((4, 64), np.uint8))
     ids = cuda.to_device(np.zeros(2, np.int32))
     with pytest.raises(ValueError, match=r"^expert bytes \[0, 80\) of 64-byte blocks"):
-        l2_prefetch.launch_prefetch(buffer, experts=experts, ids=ids, lo=0, hi=80)
-    with pytest.raises(ValueError, match="^nothing to prefetch"):
-        l2_prefetch.launch_prefetch(buffer)
+        l2_prefetch.launch_prefetch(buffer, cuda.to_device(np.zeros((1, 2), np.int64)), experts=experts, ids=ids, hi=80)
+    table = cuda.to_device(np.zeros((1, 2), np.int64))
+    with pytest.raises(ValueError, match="^ids without experts"):
+        l2_prefetch.launch_prefetch(buffer, table, ids=ids)
+    with pytest.raises(ValueError, match="^experts without ids"):
+        l2_prefetch.launch_prefetch(buffer, table, experts=experts, lo=0, hi=64)
     with pytest.raises(ValueError, match="^ids"):
-        l2_prefetch.launch_prefetch(buffer, experts=experts, ids=cuda.to_device(np.zeros(2, np.int64)), lo=0, hi=64)
+        l2_prefetch.launch_prefetch(buffer, table, experts=experts, ids=cuda.to_device(np.zeros(2, np.int64)), hi=64)
+    with pytest.raises(ValueError, match="^ranges"):
+        l2_prefetch.launch_prefetch(buffer, cuda.to_device(np.zeros((1, 2), np.int32)))
 
 
 @pytest.mark.gpu
