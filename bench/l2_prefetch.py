@@ -19,6 +19,7 @@ minus the same chain without the consumer), with and without the prefetch, and t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -166,6 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="l2_prefetch.json")
     parser.add_argument("--spins", default="0,4,10", help="microseconds of the stand-in kernels between streams")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (simulator)")
+    parser.add_argument("--cases", default="", help="comma-separated case names to run (default: all)")
     args = parser.parse_args(argv)
     from expert_service.kernels import expert_quant as q
 
@@ -178,15 +180,20 @@ def main(argv=None) -> int:
         COPIES_BYTES = 1 << 16
     stream = cuda.stream()
     rng = np.random.default_rng(0)
-    cases = {}
+    # each case built only if run (a bf16 expert layer is 400 MB of random values)
+    makers = {}
     for name in MATRICES:
-        cases[f"{name}-bf16"] = dense_case(name, rng, stream, None)
-        cases[f"{name}-int8"] = dense_case(name, rng, stream, q.CODE_INT8)
+        makers[f"{name}-bf16"] = functools.partial(dense_case, name, rng, stream, None)
+        makers[f"{name}-int8"] = functools.partial(dense_case, name, rng, stream, q.CODE_INT8)
     experts = (64, 48, 4, 2) if args.smoke else (2048, 768, 128, 8)
     for code, label in ((q.CODE_INT8, "int8"), (None, "bf16")):
         for down_only in (False, True):
             name = f"qwen3-experts-{label}{'-warm-down' if down_only else ''}"
-            cases[name] = experts_case(rng, stream, experts, code, down_only)
+            makers[name] = functools.partial(experts_case, rng, stream, experts, code, down_only)
+    wanted = args.cases.split(",") if args.cases else list(makers)
+    if unknown := set(wanted) - set(makers):
+        parser.error(f"--cases: unknown {sorted(unknown)} (known: {', '.join(makers)})")
+    cases = {name: makers[name]() for name in wanted}
     rows = []
     for spin_ns in spins:
         base = chain_us(stream, layers, spin_ns)
