@@ -117,9 +117,11 @@ def experts_case(rng, stream, shape, code, down_only: bool):
         used_lo, used_hi = (offs[2] if down_only else 0), -(-offs[6] // 16) * 16
     copies = max(2, COPIES_BYTES // blocks.nbytes)
     devs = [cuda.to_device(blocks, stream=stream) for _ in range(copies)]
+    # fresh picks every layer: with two copies of a 600 MB layer, fixed picks would be read again two layers on,
+    # from L2
     ids = [
         cuda.to_device(rng.choice(E, K, replace=False).astype(np.int32).reshape(1, K), stream=stream)
-        for _ in range(copies)
+        for _ in range(LAYERS)
     ]
     x = cuda.to_device(rng.standard_normal((1, D), dtype=np.float32), stream=stream)
     h = cuda.device_array((K, F), np.float32, stream=stream)
@@ -128,17 +130,17 @@ def experts_case(rng, stream, shape, code, down_only: bool):
     none = cuda.to_device(np.zeros((1, 2), np.int64), stream=stream)  # no dense ranges: the picks only
 
     def launch(j, s):
-        c = j % copies
+        c, picks = j % copies, ids[j % len(ids)]
         if code is None:
-            launch_expert_gate_up(x, ids[c], devs[c], F, D, h, stream=s)
-            launch_expert_down(h, ids[c], devs[c], F, D, y, stream=s)
+            launch_expert_gate_up(x, picks, devs[c], F, D, h, stream=s)
+            launch_expert_down(h, picks, devs[c], F, D, y, stream=s)
         else:
-            launch_q8_gate_up(x, devs[c], meta_d, F, D, h, ids=ids[c], stream=s, kinds=kinds)
-            launch_q8_down(h, devs[c], meta_d, F, D, y, ids=ids[c], stream=s, kinds=kinds)
+            launch_q8_gate_up(x, devs[c], meta_d, F, D, h, ids=picks, stream=s, kinds=kinds)
+            launch_q8_down(h, devs[c], meta_d, F, D, y, ids=picks, stream=s, kinds=kinds)
 
     def prefetch(j, s):
-        c = j % copies
-        l2_prefetch.launch_prefetch(devs[c], none, experts=devs[c], ids=ids[c], lo=used_lo, hi=used_hi, stream=s)
+        c, picks = j % copies, ids[j % len(ids)]
+        l2_prefetch.launch_prefetch(devs[c], none, experts=devs[c], ids=picks, lo=used_lo, hi=used_hi, stream=s)
 
     return launch, prefetch, K * (offs[3] if code is None else offs[6])
 
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
         COPIES_BYTES = 1 << 16
     stream = cuda.stream()
     rng = np.random.default_rng(0)
-    # each case built only if run (a bf16 expert layer is 400 MB of random values)
+    # each case built only if run (a bf16 expert layer is 1.2 GB of random values)
     makers = {}
     for name in MATRICES:
         makers[f"{name}-bf16"] = functools.partial(dense_case, name, rng, stream, None)

@@ -16,7 +16,7 @@ import numpy as np
 from numba import cuda
 
 from expert_service.kernels import expert_quant
-from expert_service.kernels.l2_prefetch import check_ranges, launch_prefetch
+from expert_service.kernels.l2_prefetch import check_ranges, launch_prefetch, supported
 
 EXPERT_BYTES = 24 << 20  # a step's picked experts warmed at most: about half the H100's / H200's 50 MB L2
 
@@ -28,7 +28,13 @@ def _address(array) -> int:
 
 
 class L2Warmer:
-    """The prefetch tables of every layer, on the device, and the two launches a layer that read them."""
+    """The prefetch tables of every layer, on the device, and the two launches a MoE layer that read them (one a
+    dense layer). Built only where the device runs the bulk prefetch (`make`)."""
+
+    @classmethod
+    def make(cls, config, weights, stream) -> L2Warmer | None:
+        """The warmer, or None on a device before sm_90 (CudaOptions.l2_prefetch then does nothing)."""
+        return cls(config, weights, stream) if supported() else None
 
     def __init__(self, config, weights, stream):
         self.config, self.weights, self.stream = config, weights, stream
@@ -74,17 +80,19 @@ class L2Warmer:
         return [self.weights.layer(i, f"{p}_proj") for p in ("q", "k", "v")]
 
     def _expert_range(self, layer: int) -> tuple[int, int] | None:
-        """Bytes [lo, hi) of each picked expert's block to warm: the whole block if K of them fit EXPERT_BYTES, else
-        the down rows (and scales: they follow them), read last; None if even those do not fit."""
+        """Bytes [lo, hi) of each picked expert's block to warm: the whole block (codes and scales) if K of them fit
+        EXPERT_BYTES, else from the down rows on (read last; the three scale tensors follow them), None if even
+        those do not fit."""
         cfg, w = self.config, self.weights
         K, F, D = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
         stride = w.expert_strides[layer]
         if w.quantized:
-            meta = np.asarray(w.expert_meta[layer].copy_to_host())
+            meta = w.expert_meta_host[layer]
             if len({tuple(row) for row in meta}) != 1:
                 return None  # mixed dtypes: each expert's down offset differs
             code, scheme = int(meta[0, 0]), int(meta[0, 1])
             offsets = expert_quant.block_offsets(code, scheme, F, D)
+            assert tuple(int(o) for o in meta[0, 2:8]) == offsets[:6]  # the layout the kernels read
             down, used = offsets[2], offsets[6]
         else:
             item = w.dtype.itemsize

@@ -75,7 +75,7 @@ class CudaModel:
         self.moe = DeviceMoe(
             config, weights, workspace, linear, stream, cached, options=options, planned=planned, host_break=host_break
         )
-        self.warm = L2Warmer(config, weights, stream)
+        self.warm = L2Warmer.make(config, weights, stream)
 
     def use_options(self, options: CudaOptions) -> None:
         """The paths the next passes take (the runner drops the graphs captured with the old ones)."""
@@ -104,7 +104,7 @@ class CudaModel:
             if cfg.sparse_layers[i]:
                 last = i + 1 == cfg.num_hidden_layers
                 fuse = self.options.fused_combine_norm and not last
-                warm = self.warm if decode and self.options.l2_prefetch else None
+                warm = self._warm(decode)
                 next_norm = w.layer(i + 1, "input_norm") if fuse else None
                 normed = self.moe.forward(i, x, h, T, next_norm=next_norm, warm=warm)
             else:
@@ -162,8 +162,8 @@ class CudaModel:
             xc = self.linear.as_weight_dtype(x) if T > GEMV_MAX_TOKENS else None
             for name, out in (("q", q), ("k", k), ("v", v)):
                 self.linear.linear(x, w.layer(i, f"{name}_proj"), out, bias=w.layer(i, f"{name}_bias"), xc=xc)
-        if decode and self.options.l2_prefetch:  # o and the router arrive in L2 while attention runs
-            self.warm.attention(i)
+        if (warm := self._warm(decode)) is not None:  # o and the router arrive in L2 while attention runs
+            warm.attention(i)
         H, Hkv, Hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q3, k3, v3 = q.reshape(T, H, Hd), k.reshape(T, Hkv, Hd), v.reshape(T, Hkv, Hd)
         if self.fused_qk_norm:  # per-head q/k norms, RoPE and the KV write in one launch
@@ -224,6 +224,10 @@ class CudaModel:
             self.attention_8bit.o(i, ws.attn[:T], h)
         else:
             self.linear.linear(ws.attn[:T], w.layer(i, "o_proj"), h, bias=w.layer(i, "o_bias"), accumulate=True)
+
+    def _warm(self, decode: bool) -> L2Warmer | None:
+        """The L2 prefetches of a decode step under CudaOptions.l2_prefetch (None: none)."""
+        return self.warm if decode and self.options.l2_prefetch else None
 
     def qkv_views(self, T: int):
         """q [T, q_size], k and v [T, kv_size] of a step: consecutive ranges of workspace.qkv, so at T = 1 they

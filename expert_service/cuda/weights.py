@@ -271,6 +271,7 @@ class DeviceWeights:
         self.expert_host: dict[int, np.ndarray] = {}
         self.expert_pinned: dict[int, bool] = {}
         self.expert_meta: dict[int, DeviceNDArray] = {}
+        self.expert_meta_host: dict[int, np.ndarray] = {}  # the same rows on the host (read at load, never per step)
         self.expert_kinds = facts.kinds  # each layer's (dtype code, scale scheme) pairs: moe_q8 compiles each
         self.expert_strides: dict[int, int] = {}  # bytes from one expert's block to the next, per MoE layer
         self.quantized, self.all_8bit, self.w8a8_layers = facts.quantized, facts.all_8bit, facts.w8a8_layers
@@ -283,6 +284,7 @@ class DeviceWeights:
             self.expert_pinned[layer] = self.uploader.pin(host, mapped=not load_experts)
             if self.quantized:
                 self.expert_meta[layer] = cuda.to_device(facts.meta[layer], stream=stream)
+                self.expert_meta_host[layer] = facts.meta[layer]
             if load_experts:
                 buffer = cuda.device_array(host.nbytes, dtype=np.uint8, stream=stream)
                 self.uploader.copy(host, buffer, self.expert_pinned[layer])

@@ -19,16 +19,21 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.numeric import WARP, check_array
+from expert_service.kernels.numeric import SIMULATOR, WARP, check_array
 from expert_service.kernels.ptx import prefetch_l2_bulk
 
 PIECE = 1 << 16  # bytes one bulk prefetch asks for: 256 of them cover a 16 MB matrix, 8 a lane
 
 
+def supported() -> bool:
+    """Whether this device runs the bulk prefetch (sm_90 and later; the simulator runs it as a no-op)."""
+    return SIMULATOR or cuda.get_current_device().compute_capability >= (9, 0)
+
+
 def _prefetch_kernel(buffer, ranges, n_ranges, experts, n_experts, stride, ids, lo, hi):
-    """buffer: flat uint8; ranges [>= n_ranges, 2] int64 (offset, nbytes) into it (nbytes 0: none); experts: a flat uint8 [E * stride]
-    buffer; ids [n] int32: bytes [lo, hi) of each picked block (first: a router's picks are read soonest), then the
-    ranges. One warp: lane l issues pieces l, l + 32, ... of each."""
+    """buffer: flat uint8; ranges [>= n_ranges, 2] int64 (offset, nbytes) into it (nbytes 0: none); experts: a
+    flat uint8 [E * stride] buffer; ids [n] int32: bytes [lo, hi) of each picked block (first: a router's picks are
+    read soonest), then the ranges. One warp: lane l issues pieces l, l + 32, ... of each."""
     lane = cuda.threadIdx.x
     size = hi - lo
     for j in range(ids.shape[0]):

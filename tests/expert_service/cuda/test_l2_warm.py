@@ -14,7 +14,7 @@ import expert_service.cuda.l2_warm as l2_warm
 import expert_service.cuda.weights as weights_module
 from common.model_format import ModelDir
 from expert_service.cuda.weights import DeviceWeights
-from expert_service.kernels import l2_prefetch
+from expert_service.kernels import expert_quant, l2_prefetch
 from expert_service.kernels.numeric import SIMULATOR
 from expert_service.tools.convert import convert
 from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
@@ -60,15 +60,22 @@ def test_tables_cover_the_weights_the_next_kernels_read(tmp_path, monkeypatch, f
         scales = 4 * cfg.hidden_size + 64 if attention else 0  # an 8-bit o block: codes, then their scales
         assert len(got) <= len(o) + len(router) + 2 * 16 + scales, f"layer {i}: little else"
         if i + 1 < L:
-            qkv = [f"layers.{i + 1}.{p}_proj" for p in ("q", "k", "v")]
+            qkv = [tensor_bytes(model, [f"layers.{i + 1}.{p}_proj"]) for p in ("q", "k", "v")]
             got = covered_bytes(dense, warm.after_router[i])
-            assert all(tensor_bytes(model, [name]) in got for name in qkv), f"layer {i + 1}: q|k|v"
+            assert all(part in got for part in qkv), f"layer {i + 1}: q|k|v"
+            scales = 4 * (cfg.q_size + 2 * cfg.kv_size) + 64 if attention else 0
+            assert len(got) <= sum(map(len, qkv)) + 3 * 2 * 16 + scales, f"layer {i + 1}: little else"
         else:
             assert covered_bytes(dense, warm.after_router[i]) == b""  # the table's empty row
+    F, D = cfg.moe_intermediate_size, cfg.hidden_size
     for layer, span in warm.expert_bytes.items():
-        lo, hi = span
-        assert lo == 0 and hi <= weights.expert_strides[layer], "a tiny model's picks fit whole"
-        assert cfg.num_experts_per_tok * (hi - lo) <= l2_warm.EXPERT_BYTES
+        if experts is None:  # gate, up and down back to back
+            read = 3 * F * D * weights.dtype.itemsize
+        else:  # codes, then the scales
+            meta = weights.expert_meta_host[layer][0]
+            read = expert_quant.block_offsets(int(meta[0]), int(meta[1]), F, D)[6]
+        assert span == (0, read) and read <= weights.expert_strides[layer], "a tiny model's picks fit whole"
+        assert cfg.num_experts_per_tok * read <= l2_warm.EXPERT_BYTES
     weights.close()
 
 
@@ -110,7 +117,7 @@ def test_the_kernel_prefetches_every_range_and_picked_block_once(monkeypatch):
                 merged[-1][1] += n
             else:
                 merged.append([i, n])
-        assert sum(n for _, n in pieces) == sum(n for _, n in merged)  # nothing twice
+        assert len(set(pieces)) == len(pieces)  # nothing twice (an overlap would also break the spans below)
         return merged
 
     assert spans(buffer.size) == ranges

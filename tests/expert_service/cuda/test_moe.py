@@ -350,3 +350,35 @@ def test_eight_bit_groups_widen_through_one_launcher_per_layer_and_half(monkeypa
     ]
     assert widened == [(0, 1), (1, 1), (2, 1)] * 3
     assert calls == [(0, 70), (70, 73), (73, 256)] * 3
+
+
+@pytest.mark.parametrize("T,strategy", [(1, MoeStrategy.GEMV), (3, MoeStrategy.GROUPED)])
+def test_an_l2_warmer_gets_the_routers_ids_and_whether_they_are_streamed_by_slot(T, strategy):
+    """After the router the warmer is handed the ids the step's experts then read (resident: a one-token step
+    streaming them by slot), and the outputs are the same as without it."""
+    config, rng, ws, weights, moe = setup("mixtral")
+    K, E, D, layer = config.num_experts_per_tok, config.num_experts, config.hidden_size, config.moe_layers[0]
+    assert choose_strategy(T, K, E, cached=False) is strategy
+    calls = []
+
+    class Warm:
+        def experts(self, i, ids, resident):
+            calls.append((i, ids.copy_to_host(), resident))
+
+    plans = {i: random_ids(rng, T, K, E) for i in config.moe_layers}  # setup's engine routes by plan
+    host = np.empty(ws.routed_ids.shape, np.int32)
+    n = stage_routed_ids(host, plans, config.moe_layers, T, T, K)
+    ws.routed_ids[:n].copy_to_device(host[:n])
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    h = rng.standard_normal((T, D)).astype(np.float32)
+    outs = []
+    for warm in (Warm(), None):
+        ws.normed[:T].copy_to_device(x)
+        ws.hidden[:T].copy_to_device(h)
+        moe.forward(layer, ws.normed[:T], ws.hidden[:T], T, warm=warm)
+        outs.append(ws.hidden[:T].copy_to_host())
+    (i, ids, resident), = calls
+    index = config.moe_layers.index(layer)
+    trace = ws.topk_ids.reshape(-1)[index * T * K : (index + 1) * T * K].copy_to_host().reshape(T, K)
+    assert i == layer and resident is (T == 1) and np.array_equal(ids, trace) and np.array_equal(ids, plans[layer])
+    np.testing.assert_array_equal(outs[0], outs[1])

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[3]
 LINKED = "attention_decode"
 STREAMED = ("moe_q8", "moe_q8_dp4a", "moe_q8_dp4a_grouped")
 WGMMA = ("moe_gemm_wgmma", "moe_gemm_q8wgmma", "moe_gemm_w8a8")  # sm_90a: their warpgroup MMAs must not be serialised
+PREFETCH = "l2_prefetch"  # inline cp.async.bulk.prefetch: linked, so ptxas reads the instruction
 # W8A8's 128-register gate|up epilogue (int32 sums widened, two scales a sum) spills a few words once per tile, after
 # the main loop; more than this would reach the loop
 W8A8_EPILOGUE_SPILL_BYTES = 32
@@ -37,7 +38,7 @@ def test_every_kernel_compiles_for_sm90_and_decode_attention_fits(tmp_path):
                 sys.executable,
                 "bench/kernel_resources.py",
                 "--resources-of",
-                ",".join((LINKED, *STREAMED, *WGMMA)),
+                ",".join((LINKED, *STREAMED, *WGMMA, PREFETCH)),
                 "--shard",
                 f"{i}/{shards}",
                 "--out",
@@ -75,4 +76,6 @@ def test_every_kernel_compiles_for_sm90_and_decode_attention_fits(tmp_path):
         w8a8 = r["module"] == "moe_gemm_w8a8"  # its block-scaled tiles are 256-thread blocks: up to 255 registers
         spill, registers = (W8A8_EPILOGUE_SPILL_BYTES, 255) if w8a8 else (0, 168)
         assert r["wgmma_serialized"] == 0 and r["spill_store_bytes"] <= spill and r["registers"] <= registers, r
-    assert not any("registers" in r for r in rows if r["module"] not in (LINKED, *STREAMED, *WGMMA))
+    prefetch = [r for r in rows if r["module"] == PREFETCH]
+    assert len(prefetch) == 1 and prefetch[0]["spill_store_bytes"] == 0 and prefetch[0]["local_bytes"] == 0, prefetch
+    assert not any("registers" in r for r in rows if r["module"] not in (LINKED, *STREAMED, *WGMMA, PREFETCH))
