@@ -377,7 +377,7 @@ def test_an_l2_warmer_gets_the_routers_ids_and_whether_they_are_streamed_by_slot
         ws.hidden[:T].copy_to_device(h)
         moe.forward(layer, ws.normed[:T], ws.hidden[:T], T, warm=warm)
         outs.append(ws.hidden[:T].copy_to_host())
-    (i, ids, resident), = calls
+    ((i, ids, resident),) = calls
     index = config.moe_layers.index(layer)
     trace = ws.topk_ids.reshape(-1)[index * T * K : (index + 1) * T * K].copy_to_host().reshape(T, K)
     assert i == layer and resident is (T == 1) and np.array_equal(ids, trace) and np.array_equal(ids, plans[layer])
