@@ -27,8 +27,10 @@ def check(result):
 
 
 def device_address(array) -> int:
-    """The device address of a Numba device array (or view) as an int, for driver and cuBLAS calls."""
-    return array.__cuda_array_interface__["data"][0]
+    """The device address of a Numba device array (or view) as an int, for driver and cuBLAS calls (under the
+    simulator, whose arrays are numpy's, their host address: offsets between views still hold)."""
+    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
+    return int(interface["data"][0])
 
 
 def stream_handle(stream) -> drv.CUstream:

@@ -15,16 +15,11 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from expert_service.cuda.driver import device_address
 from expert_service.kernels import expert_quant
 from expert_service.kernels.l2_prefetch import check_ranges, launch_prefetch, supported
 
 EXPERT_BYTES = 24 << 20  # a step's picked experts warmed at most: about half the H100's / H200's 50 MB L2
-
-
-def _address(array) -> int:
-    """The array's first byte's address (device; a host address under the simulator, where arrays are numpy's)."""
-    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
-    return int(interface["data"][0])
 
 
 class L2Warmer:
@@ -39,14 +34,14 @@ class L2Warmer:
     def __init__(self, config, weights, stream):
         self.config, self.weights, self.stream = config, weights, stream
         self.buffer = weights.dense_buffer
-        base, end = _address(self.buffer), _address(self.buffer) + self.buffer.nbytes
+        base, end = device_address(self.buffer), device_address(self.buffer) + self.buffer.nbytes
 
         def ranges(arrays) -> list[list[int]]:
             rows = []
             for a in arrays:
                 if a is None:
                     continue
-                lo, hi = _address(a), _address(a) + a.nbytes
+                lo, hi = device_address(a), device_address(a) + a.nbytes
                 if base <= lo and hi <= end:  # a view of the dense buffer (every dense weight is)
                     start = (lo - base) // 16 * 16
                     rows.append([start, -(-(hi - base) // 16) * 16 - start])

@@ -30,6 +30,13 @@ def supported() -> bool:
     return SIMULATOR or cuda.get_current_device().compute_capability >= (9, 0)
 
 
+@cuda.jit(device=True, inline=True)
+def _prefetch_span(array, start, size, lane):
+    """This lane's pieces (l, l + 32, ...) of bytes [start, start + size) of a flat uint8 array."""
+    for piece in range(lane * PIECE, size, WARP * PIECE):
+        prefetch_l2_bulk(array, start + piece, min(PIECE, size - piece))
+
+
 def _prefetch_kernel(buffer, ranges, n_ranges, experts, n_experts, stride, ids, lo, hi):
     """buffer: flat uint8; ranges [>= n_ranges, 2] int64 (offset, nbytes) into it (nbytes 0: none); experts: a
     flat uint8 [E * stride] buffer; ids [n] int32: bytes [lo, hi) of each picked block (first: a router's picks are
@@ -39,13 +46,9 @@ def _prefetch_kernel(buffer, ranges, n_ranges, experts, n_experts, stride, ids, 
     for j in range(ids.shape[0]):
         e = ids[j]
         if 0 <= e < n_experts:
-            start = np.int64(e) * stride + lo
-            for piece in range(lane * PIECE, size, WARP * PIECE):
-                prefetch_l2_bulk(experts, start + piece, min(PIECE, size - piece))
+            _prefetch_span(experts, np.int64(e) * stride + lo, size, lane)
     for r in range(n_ranges):
-        start, length = ranges[r, 0], ranges[r, 1]
-        for piece in range(lane * PIECE, length, WARP * PIECE):
-            prefetch_l2_bulk(buffer, start + piece, min(PIECE, length - piece))
+        _prefetch_span(buffer, ranges[r, 0], ranges[r, 1], lane)
 
 
 _prefetch = cached_jit(_prefetch_kernel)

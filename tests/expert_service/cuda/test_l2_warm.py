@@ -11,12 +11,12 @@ import pytest
 from numba import cuda
 
 import expert_service.cuda.l2_warm as l2_warm
-import expert_service.cuda.weights as weights_module
 from common.model_format import ModelDir
 from expert_service.cuda.weights import DeviceWeights
 from expert_service.kernels import expert_quant, l2_prefetch
 from expert_service.kernels.numeric import SIMULATOR
 from expert_service.tools.convert import convert
+from tests.expert_service.cuda.test_weights import recorders
 from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
 
 # (family, attention dtype, expert dtype)
@@ -25,8 +25,7 @@ MODELS = [("qwen3_moe", None, None), ("qwen2_moe", "int8", "int8"), ("mixtral", 
 
 def device_weights(model: ModelDir, monkeypatch) -> DeviceWeights:
     """The model's weights through DeviceWeights (simulator: the upload is a copy, pinning recorded away)."""
-    monkeypatch.setattr(weights_module, "pin_readonly", lambda host, mapped=False: True)
-    monkeypatch.setattr(weights_module, "unpin", lambda host: None)
+    recorders(monkeypatch)
     return DeviceWeights(model, stream=cuda.default_stream())
 
 
