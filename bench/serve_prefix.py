@@ -18,7 +18,8 @@ passes (on a loaded machine a round can take several times the others).
 Writes <out>/<name>.json (and .png, with matplotlib) and prints the on/off ratios:
     python bench/serve.py --workload prefix --backend cpu | --backend cuda --out out/serve
 `--cuda-options '{"field": value}'` starts the worker with those CudaOptions (a --config file), e.g. to compare a
-kernel path's effect on the served figures; the JSON records them.
+kernel path's effect on the served figures; `--expert-dtype int8|fp8` converts the built models' experts to 8 bits
+(the decode steps both sides share read half the expert bytes); the JSON records both.
 """
 
 from __future__ import annotations
@@ -221,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", help="file stem (default: cpu-serve-prefix or gpu-serve-prefix, by --backend)")
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--cuda-options", default="{}", help="the worker's CudaOptions fields as a JSON object")
+    parser.add_argument(
+        "--expert-dtype",
+        choices=("int8", "fp8"),
+        help="cuda: convert the built models' experts to 8 bits (default bf16; ignored with --model or on cpu)",
+    )
     args = parser.parse_args(argv)
     from bench.engine import cuda_options_arg
 
@@ -236,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"benchmark": "serve-prefix", "machine": platform.node(), "device": device, "cpu_count": os.cpu_count()}
     results |= {"config": {k: getattr(args, k) for k in DEFAULTS["cpu"]}, "targets": TARGETS, "models": {}}
     results["cuda_options"] = args.cuda_options
+    results["expert_dtype"] = "bfloat16" if args.model or args.backend == "cpu" else args.expert_dtype or "bfloat16"
     path = out_dir / f"{name}.json"
     try:
         for model_name, model_dir in prepare_models(args, workdir):

@@ -28,7 +28,8 @@ WORKER_READY = "colibri.worker.v1.WorkerService"
 
 
 def prepare_models(args, workdir: Path):
-    """Yields (name, model directory) one at a time, each built just before it is measured."""
+    """Yields (name, model directory) one at a time, each built just before it is measured (cuda: its experts in
+    `args.expert_dtype` where the benchmark has that flag, else bf16)."""
     if args.model:
         yield Path(args.model).name, Path(args.model)
         return
@@ -45,7 +46,7 @@ def prepare_models(args, workdir: Path):
         family, params = SHAPES[name]
         started = time.monotonic()
         hf = build_hf(family, params)
-        model_dir = write_colibri(hf, workdir / "models" / name)
+        model_dir = write_colibri(hf, workdir / "models" / name, expert_dtype=getattr(args, "expert_dtype", None))
         del hf
         gc.collect()
         torch.cuda.empty_cache()

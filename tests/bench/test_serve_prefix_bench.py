@@ -21,6 +21,7 @@ def test_serve_prefix_bench_tiny_cpu(tmp_path):
     assert serve.main(args) == 0
     results = json.loads((tmp_path / "prefix.json").read_text())
     assert results["cuda_options"] == {"decode_splits_per_step": True}
+    assert results["expert_dtype"] == "bfloat16"  # the cpu's tiny model: no conversion
     entry = results["models"]["tiny"]
     assert set(entry["ratios"]) == {
         f"{w}_{m}_on_x_off" for w in ("shared", "unshared", "multiturn") for m in ("ttft_p50", "throughput")
@@ -47,3 +48,27 @@ def test_cuda_options_reach_the_worker_as_a_config_file(tmp_path):
     assert json.loads(open(path).read())["engine"] == {"cuda_options": {"wgmma_experts": False}}
     with pytest.raises(SystemExit):
         serve.main(["--workload", "prefix", "--cuda-options", '{"wgmma_experts": 3}'])
+
+
+def test_expert_dtype_reaches_the_conversion_of_the_built_models(tmp_path, monkeypatch):
+    """--expert-dtype converts the cuda models' experts (the decode steps both sides share then read 8-bit experts);
+    an unknown dtype is refused."""
+    import sys
+    import types
+
+    import bench.engine
+    from bench.serve_services import prepare_models
+
+    converted = []
+    monkeypatch.setattr(bench.engine, "build_hf", lambda family, params: object())
+    monkeypatch.setattr(
+        bench.engine, "write_colibri", lambda hf, out, expert_dtype=None: converted.append(expert_dtype) or out
+    )
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(empty_cache=lambda: None))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    for dtype in ("int8", None):
+        args = types.SimpleNamespace(model=None, backend="cuda", shapes="mixtral-shape", expert_dtype=dtype)
+        assert [name for name, _ in prepare_models(args, tmp_path)] == ["mixtral-shape"]
+    assert converted == ["int8", None]
+    with pytest.raises(SystemExit):
+        serve.main(["--workload", "prefix", "--expert-dtype", "int4"])
