@@ -3,11 +3,14 @@ q|k|v and o_proj at a step of R rows.
 
   bf16:  R = 1: gemv over the stacked q|k|v rows, gemv adding o into the residual (the engine's fused GEMV path);
          R > 1: the rows cast to bf16 once, three cuBLAS GEMMs for q, k, v, a cast and one adding GEMM for o.
-  8-bit: cuda/attention_8bit.py as the engine runs it: linear_q8 up to 4 rows (q|k|v one launch at R = 1, o adding
-         in its epilogue), past them the row table, a bf16 copy of the rows and moe_gemm_q8mma per matrix, split-K
-         where a matrix has too few output tiles; beside it "-whole" (the GEMM never split) and "-stream"
-         (linear_q8 at every row count, one pass over the weights a tile of 4 rows) up to 64 rows, and at up to 4
-         rows each --q8-shapes NAME=W/RG/RD/U/WPS launch shape of the weight stream (moe_q8.LaunchShape).
+  8-bit: cuda/attention_8bit.py as the engine runs it with the default CudaOptions: linear_q8 up to 4 rows
+         (q|k|v one launch at R = 1, o adding in its epilogue), past them the row table, a bf16 copy of the rows
+         and moe_gemm_q8mma per matrix, split-K where a matrix has too few output tiles, and from
+         attention_8bit_dense_rows rows each matrix widened into a bf16 scratch for cuBLAS; beside it "-widened"
+         (widened at every row count), "-gemm" (the 8-bit GEMM where the engine widens), "-whole" (the GEMM never
+         split) and "-stream" (linear_q8 at every row count, one pass over the weights a tile of 4 rows) up to 64
+         rows, and at up to 4 rows each --q8-shapes NAME=W/RG/RD/U/WPS launch shape of the weight stream
+         (moe_q8.LaunchShape).
 
 Per row count: GPU microseconds per layer (the launches of --copies layers of distinct random weights captured in
 one CUDA graph and replayed between two events, so L2 holds none of the next layer's weights and Numba's host cost
@@ -90,6 +93,15 @@ def variants(eight, R: int, widest: int, q8_shapes: dict, stream) -> dict:
         return other
 
     out = {"": eight}
+    ours = eight.rows
+    if ours.linear is not None:  # cuBLAS: the widened matrices at every row count, the 8-bit GEMM where they widen
+        widened = EightBitRows(
+            ours.max_rows, widest, True, stream, widen_elements=ours.widened.size, linear=ours.linear
+        )
+        widened.use_dense_rows(1)
+        out["-widened"] = with_rows(widened)
+        if ours.dense_at(R):
+            out["-gemm"] = with_rows(EightBitRows(ours.max_rows, widest, True, stream, split_outputs=widest))
     if R >= MMA_MIN_ROWS:
         out["-whole"] = with_rows(EightBitRows(eight.rows.max_rows, widest, True, stream))
         if R <= 64:
@@ -108,6 +120,7 @@ def bench_shape(
     from expert_service.cuda.attention_8bit import DeviceAttention8Bit
     from expert_service.cuda.cublas import WORKSPACE_BYTES, Cublas
     from expert_service.cuda.linear import DeviceLinear
+    from expert_service.engine.cuda_options import CudaOptions
     from expert_service.kernels import expert_quant as q
     from expert_service.kernels.numeric import SIMULATOR
 
@@ -120,7 +133,7 @@ def bench_shape(
     cublas = None if SIMULATOR else Cublas(stream, cuda.device_array(WORKSPACE_BYTES, np.uint8, stream=stream))
     workspace = SimpleNamespace(cast=cuda.device_array(R_max * max(D, Q), np.uint16, stream=stream))
     linear = DeviceLinear(stream, cublas, workspace, np.dtype(np.uint16))
-    no_bias = SimpleNamespace(layer=lambda i, name: None)
+    no_bias = SimpleNamespace(layer=lambda i, name: None, dtype=np.dtype(np.uint16))
     rng = np.random.default_rng(0)
     out: dict = {"D": D, "q": Q, "kv": KV, "copies": copies, "rows": {}}
     for dtype in dtypes:
@@ -128,8 +141,13 @@ def bench_shape(
         layers = [random_layer(rng, code, D, Q, KV) for _ in range(copies)]
         bf16 = [(cuda.to_device(a, stream=stream), cuda.to_device(b, stream=stream)) for a, b, _, _ in layers]
         eight = DeviceAttention8Bit(
-            tuple(eight_bit_layer(c, d, code, D, Q, KV, stream) for _, _, c, d in layers), no_bias, R_max, stream
+            tuple(eight_bit_layer(c, d, code, D, Q, KV, stream) for _, _, c, d in layers),
+            no_bias,
+            R_max,
+            stream,
+            linear if cublas is not None else None,
         )
+        eight.use_options(CudaOptions())  # the shipped threshold of widening
         nbytes8 = layers[0][2].size + layers[0][3].size
         for R in rows:
             x = cuda.to_device(rng.standard_normal((R, D)).astype(np.float32), stream=stream)

@@ -6,9 +6,13 @@ scales), as the dense path's fused GEMV: the k and v rows alone are too few to k
 q, k and v are three launches on the same input rows (past 4 rows one bf16 copy of them, made once), each writing
 its own range of the workspace.
 o_proj adds into the residual in its epilogue. Biases (Qwen2-MoE's q/k/v) stay dense, added after.
+Steps of at least CudaOptions.attention_8bit_dense_rows tokens (a prefill chunk) widen each projection in turn into
+one scratch as large as the largest of them (q_size x hidden_size in the dense dtype) and run it on cuBLAS.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from expert_service.cuda.linear_8bit import EightBitRows
 from expert_service.cuda.weights import Projections8Bit
@@ -17,14 +21,30 @@ from expert_service.kernels import elementwise
 
 class DeviceAttention8Bit:
     """Runs `layers` (DeviceWeights.attention_8bit) for steps of 1 to max_rows rows. `weights`: for the dense
-    biases, if any."""
+    biases, if any, and the dense dtype; `linear` (DeviceLinear): cuBLAS for the widened projections of large steps
+    (None: they stay on the 8-bit kernels)."""
 
-    def __init__(self, layers: tuple[Projections8Bit, ...], weights, max_rows: int, stream):
+    def __init__(self, layers: tuple[Projections8Bit, ...], weights, max_rows: int, stream, linear=None):
         self.layers, self.weights, self.stream = layers, weights, stream
         if not all(m.takes_mma for m in layers[0]):  # the format's sizes guarantee it
             raise ValueError("8-bit attention projections need outputs of whole 16-column tiles")
-        widest = max(layers[0].q.n_in, layers[0].o.n_in)  # q_size or hidden_size, in and out
-        self.rows = EightBitRows(max_rows, widest, mma=True, stream=stream, split_outputs=widest)
+        first = layers[0]
+        widest = max(first.q.n_in, first.o.n_in)  # q_size or hidden_size, in and out
+        widen = max(m.n_out * m.n_in for m in (first.q, first.k, first.v, first.o))
+        self.rows = EightBitRows(
+            max_rows,
+            widest,
+            mma=True,
+            stream=stream,
+            split_outputs=widest,
+            widen_elements=widen,
+            dense_dtype=weights.dtype,
+            linear=linear,
+        )
+
+    def use_options(self, options) -> None:
+        """CudaOptions.attention_8bit_dense_rows for the passes that follow."""
+        self.rows.use_dense_rows(options.attention_8bit_dense_rows)
 
     def warmup_rows(self) -> tuple[int, ...]:
         """The forward passes' token counts that load every kernel the projections launch (each layer's are the
@@ -33,11 +53,12 @@ class DeviceAttention8Bit:
         return self.rows.warmup_rows(range(1, self.rows.max_rows + 1), (first.q, first.k, first.v, first.o))
 
     @staticmethod
-    def planned_nbytes(hidden_size: int, q_size: int, max_rows: int) -> int:
-        """The device bytes __init__ allocates (its launch tables, bf16 rows and split-K partials), for the
-        device-memory plan."""
+    def planned_nbytes(hidden_size: int, q_size: int, max_rows: int, dense_dtype) -> int:
+        """The device bytes __init__ allocates (its launch tables, bf16 rows, split-K partials and the widening
+        scratch: q and o are the largest projections), for the device-memory plan."""
         widest = max(hidden_size, q_size)
-        return EightBitRows.planned_nbytes(max_rows, widest, mma=True, split_outputs=widest)
+        widen_bytes = q_size * hidden_size * np.dtype(dense_dtype).itemsize
+        return EightBitRows.planned_nbytes(max_rows, widest, mma=True, split_outputs=widest, widen_bytes=widen_bytes)
 
     def start_pass(self, rows: int) -> None:
         """Every launch until the next call runs `rows` rows (a forward pass's T)."""

@@ -207,12 +207,13 @@ def plan_device_memory(
         ModelStrategies(cfg, facts, T), config, facts.dtype, blocks_per_sequence(cfg, num_blocks, block_size), cached
     )
     # the penalties' and grammar masks' buffers are allocated beside the workspace, sized like it; so are the
-    # launch tables and bf16 rows of an 8-bit head and of 8-bit attention projections
+    # launch tables and bf16 rows of an 8-bit head and of 8-bit attention projections (and the latter's widening
+    # scratch)
     sampling = DevicePenalties.planned_nbytes(S, V, S, T) + DeviceMasks.planned_nbytes(S, V)
     if (head := model.head_format) is not None:
         sampling += EightBitRows.planned_nbytes(S, cfg.hidden_size, takes_mma(V, head.nbytes))
     if model.attention_format is not None:
-        sampling += DeviceAttention8Bit.planned_nbytes(cfg.hidden_size, cfg.q_size, T)
+        sampling += DeviceAttention8Bit.planned_nbytes(cfg.hidden_size, cfg.q_size, T, facts.dtype)
     if cached:
         experts = slot_plan.slots_per_layer * slot_plan.slot_row_bytes + plan_table_bytes
         if dense_scratch_needed(facts.quantized, T, workspace.cached_grouped):  # one 8-bit expert made dense

@@ -13,6 +13,12 @@ A matrix of a few thousand rows over a few rows of input is too few output tiles
 over 16 rows: 32 tiles for 132 SMs, 8 % of the roofline), so given room for them (`split_outputs`), the GEMM splits
 its input axis until the step has about two tiles an SM, each split's sums in a plane of `partials` that split_sum
 then adds in a fixed order.
+
+Dense shapes of many rows run that GEMM at a fraction of cuBLAS's speed, so given a dense scratch (`widen_elements`)
+and a DeviceLinear, steps of at least `dense_min_rows` rows widen each matrix into the scratch (dequant_matrix:
+q * scale rounded to the dense dtype, as the per-expert cuBLAS path widens 8-bit experts) and hand it to cuBLAS
+with the rows cast once to that dtype: one extra pass over the matrix (1 byte read, 2 written a weight) in place of
+one read of it a tile of rows.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 from numba import cuda
 
+from expert_service.kernels.dequant_matrix import launch_dequant_matrix
 from expert_service.kernels.linear_q8 import launch_linear_q8, row_bounds
 from expert_service.kernels.moe_align import launch_moe_gather_bf16
 from expert_service.kernels.moe_gemm_q8mma import choose_config, launch_q8mma_down, split_plan
@@ -70,11 +77,12 @@ def mma_width(max_rows: int) -> int:
 
 
 class StepRows(NamedTuple):
-    """A step's input rows for the matrices that read them: x [R, K] float32, and its rows in bf16 in the GEMM's
-    order (None below MMA_MIN_ROWS rows)."""
+    """A step's input rows for the matrices that read them: x [R, K] float32, its rows in bf16 in the GEMM's
+    order (on the GEMM, else None), and x in the dense dtype for cuBLAS (on widened matrices, else None)."""
 
     x: DeviceNDArray
     xs: DeviceNDArray | None
+    xc: DeviceNDArray | None = None
 
 
 def split_capacity(max_rows: int, split_outputs: int) -> int:
@@ -95,7 +103,9 @@ class EightBitRows:
     """Runs 8-bit matrices over 1 to max_rows rows of input width up to widest_input. mma: every matrix it runs
     takes the tensor-core GEMM past TOK_TILE rows; otherwise each takes the weight stream at every row count.
     split_outputs: the widest output a split-K GEMM may write (0: none splits; the LM head has tiles enough).
-    stream_shape: the weight stream's launch shape (bench/attention_8bit.py --q8-shapes compares others)."""
+    stream_shape: the weight stream's launch shape (bench/attention_8bit.py --q8-shapes compares others).
+    widen_elements, dense_dtype: a scratch for the largest matrix widened to the dense dtype (0: none); with a
+    `linear` (DeviceLinear), steps of at least `dense_min_rows` rows (0: never) run the widened matrices on it."""
 
     def __init__(
         self,
@@ -105,13 +115,20 @@ class EightBitRows:
         stream,
         split_outputs: int = 0,
         stream_shape: LaunchShape = DECODE_SHAPE,
+        widen_elements: int = 0,
+        dense_dtype=np.uint16,
+        linear=None,
     ):
         self.max_rows, self.mma, self.stream = max_rows, mma and max_rows >= MMA_MIN_ROWS, stream
-        self.stream_shape = stream_shape
-        self.rows = 0
+        self.stream_shape, self.linear = stream_shape, linear
+        self.rows = self.dense_min_rows = 0
         self.partials: DeviceNDArray | None = None  # split-K partial sums (none: no split)
         self.bounds = cuda.to_device(row_bounds(max_rows), stream=stream)
         self.first_row = cuda.to_device(np.zeros((1, 1), np.int32), stream=stream)
+        self.widened: DeviceNDArray | None = None  # the dense scratch
+        if widen_elements:
+            self.widened = cuda.device_array(widen_elements, dense_dtype, stream=stream)
+        self._widened_views: dict[tuple[int, int], DeviceNDArray] = {}  # made once a shape: views cost host time
         if not self.mma:
             return
         width = mma_width(max_rows)
@@ -125,9 +142,12 @@ class EightBitRows:
             self.target_tiles = 4 if SIMULATOR else 2 * cuda.get_current_device().MULTIPROCESSOR_COUNT
 
     @staticmethod
-    def planned_nbytes(max_rows: int, widest_input: int, mma: bool, split_outputs: int = 0) -> int:
-        """The device bytes __init__ allocates, from the sizes alone (the device-memory plan counts them)."""
-        nbytes = (max_rows + 1) * 2 * 4 + 4  # bounds, first_row
+    def planned_nbytes(
+        max_rows: int, widest_input: int, mma: bool, split_outputs: int = 0, widen_bytes: int = 0
+    ) -> int:
+        """The device bytes __init__ allocates, from the sizes alone (the device-memory plan counts them);
+        widen_bytes: the dense scratch's (widen_elements x the dense dtype's size)."""
+        nbytes = (max_rows + 1) * 2 * 4 + 4 + widen_bytes  # bounds, first_row, the scratch
         if mma and max_rows >= MMA_MIN_ROWS:
             width = mma_width(max_rows)
             nbytes += width * 4 + 4 + -(-width // 16) * 4 + width * widest_input * 2
@@ -141,8 +161,10 @@ class EightBitRows:
 
     def variant(self, rows: int, matrices) -> tuple:
         """What decides the kernels a step of `rows` rows over `matrices` launches (the weight stream by slot or
-        grouped; the GEMM's tile config and, per matrix, whether it splits): steps of equal variants compile
-        nothing new."""
+        grouped; the GEMM's tile config and, per matrix, whether it splits; widened for cuBLAS): steps of equal
+        variants compile nothing new."""
+        if self.dense_at(rows):
+            return ("dense",)
         if not (self.mma and rows >= MMA_MIN_ROWS):
             return ("stream", rows == 1)
         cfg = choose_config(rows, 1)
@@ -164,9 +186,25 @@ class EightBitRows:
             first.setdefault(self.variant(rows, matrices), rows)
         return tuple(sorted(first.values()))
 
+    def use_dense_rows(self, min_rows: int) -> None:
+        """Steps of at least min_rows rows run widened matrices on cuBLAS from the next set_rows on (0: never; without
+        a scratch and a DeviceLinear, never whatever min_rows)."""
+        if min_rows < 0:
+            raise ValueError(f"dense_min_rows {min_rows}: 0 (never) or a row count")
+        self.dense_min_rows = min_rows
+
+    def dense_at(self, rows: int) -> bool:
+        """Whether a step of `rows` rows runs widened matrices on cuBLAS."""
+        usable = self.widened is not None and self.linear is not None
+        return usable and 0 < self.dense_min_rows <= rows
+
+    @property
+    def on_dense(self) -> bool:
+        return self.dense_at(self.rows)
+
     @property
     def on_mma(self) -> bool:
-        return self.mma and self.rows >= MMA_MIN_ROWS
+        return self.mma and self.rows >= MMA_MIN_ROWS and not self.on_dense
 
     def set_rows(self, rows: int) -> None:
         """The row count of the launches that follow; past TOK_TILE rows this writes the GEMM's row table (one
@@ -186,6 +224,8 @@ class EightBitRows:
         R, K = x.shape
         if R != self.rows:
             raise ValueError(f"x has {R} rows, set_rows said {self.rows}")
+        if self.on_dense:
+            return StepRows(x, None, self.linear.as_weight_dtype(x))
         if not self.on_mma:
             return StepRows(x, None)
         n = self.tiles * self.config.block_m
@@ -196,6 +236,11 @@ class EightBitRows:
     def apply(self, matrix: Matrix8Bit, rows: StepRows, out, accumulate: bool = False) -> None:
         """out [R, n_out] float32 = (accumulate: +=) rows @ matrix^T, every element written."""
         st = self.stream
+        if rows.xc is not None:
+            dense = self._widened_view(matrix.n_out, matrix.n_in)
+            launch_dequant_matrix(matrix.block, matrix.meta, matrix.code, matrix.n_out, matrix.n_in, dense, stream=st)
+            self.linear.linear(rows.x, dense, out, accumulate=accumulate, force_cublas=True, xc=rows.xc)
+            return
         if rows.xs is None:
             args = (matrix.code, matrix.n_out, out, self.bounds, self.first_row, st, accumulate, self.stream_shape)
             launch_linear_q8(rows.x, matrix.block, matrix.meta, *args)
@@ -217,3 +262,12 @@ class EightBitRows:
             splits=self._splits(self.rows, matrix, self.config),
             partials=self.partials,
         )
+
+    def _widened_view(self, n_out: int, n_in: int):
+        """The scratch's first n_out x n_in elements as [n_out, n_in]."""
+        if (view := self._widened_views.get((n_out, n_in))) is None:
+            assert self.widened is not None
+            if n_out * n_in > self.widened.size:
+                raise ValueError(f"a [{n_out}, {n_in}] matrix does not fit the {self.widened.size}-element scratch")
+            view = self._widened_views[n_out, n_in] = self.widened[: n_out * n_in].reshape(n_out, n_in)
+        return view

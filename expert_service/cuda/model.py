@@ -71,7 +71,8 @@ class CudaModel:
         self.attention_8bit: DeviceAttention8Bit | None = None
         if weights.attention_8bit is not None:
             rows = workspace.hidden.shape[0]
-            self.attention_8bit = DeviceAttention8Bit(weights.attention_8bit, weights, rows, stream)
+            self.attention_8bit = DeviceAttention8Bit(weights.attention_8bit, weights, rows, stream, linear)
+            self.attention_8bit.use_options(options)
         self.moe = DeviceMoe(
             config, weights, workspace, linear, stream, cached, options=options, planned=planned, host_break=host_break
         )
@@ -80,6 +81,8 @@ class CudaModel:
     def use_options(self, options: CudaOptions) -> None:
         """The paths the next passes take (the runner drops the graphs captured with the old ones)."""
         self.options = self.moe.options = options
+        if self.attention_8bit is not None:
+            self.attention_8bit.use_options(options)
 
     def layers(self, T: int, S: int, decode: bool, shared: bool = False) -> None:
         """Embedding and every decoder layer on the staged step: ws.hidden[:T] holds the final residual. shared: a

@@ -122,12 +122,19 @@ class CudaOptions:
     # moe_grouped_mma.WGMMA_MIN_ROWS (96), on the 64-row one below it. 32: the 64-row tile ran 0.97-2.7x the widening
     # mma.sync kernel at 32-95 rows (H100; qwen3moe-shape int8 prefill 1 x 512 1.2x faster in the engine), 0.76x at 16
     w8a8_min_rows: int = 32
+    # models with 8-bit attention projections: steps of at least this many tokens widen each projection into a
+    # dense scratch (kernels/dequant_matrix.py) for cuBLAS instead of running it on 8-bit rows (linear_q8 up to 4
+    # rows, moe_gemm_q8mma past), which reads the matrix once a tile of rows: H200 per layer at 64 / 512 rows,
+    # mixtral-shape 101 / 350 µs against bf16's 44 / 84, of which the widening adds ~30-40 (0: never). 32:
+    # between the crossovers the H200's per-kernel figures put at 16-64 rows (docs/quantization.md)
+    attention_8bit_dense_rows: int = 32
 
     def __post_init__(self) -> None:
         for name in ("q8_mma_min_tokens", "q8_mma_max_tokens", "q8_mma_max_tokens_few_experts", "w8a8_min_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cuda_options.{name}: must be a positive integer, got {value!r}")
-        value = self.grouped_mma_max_tokens_few_experts
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"cuda_options.grouped_mma_max_tokens_few_experts: must be an integer >= 0, got {value!r}")
+        for name in ("grouped_mma_max_tokens_few_experts", "attention_8bit_dense_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"cuda_options.{name}: must be an integer >= 0, got {value!r}")

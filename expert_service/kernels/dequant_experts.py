@@ -45,19 +45,19 @@ _DTYPES = (np.uint16, np.float16, np.float32)  # the scratch's dense dtype (uint
 if SIMULATOR:
 
     @cuda.jit(device=True)
-    def _bits(x):
+    def f32_bits(x):
         return np.uint64(np.array([x], np.float32).view(np.uint32)[0])
 
 else:
     from numba.cuda import libdevice
 
     @cuda.jit(device=True, inline=True)
-    def _bits(x):
+    def f32_bits(x):
         return np.uint64(np.uint32(libdevice.float_as_int(x)))
 
 
 @cuda.jit(device=True, inline=True)
-def _words_to_values(words, w0, code, v):
+def widen_chunk(words, w0, code, v):
     """The 16 values starting at word w0 (one chunk of an 8-bit row, two of a 16-bit one, four of f32) into v."""
     if code == CODE_INT8 or code == CODE_FP8:
         a = ld_stream_v4(words, w0)
@@ -137,12 +137,12 @@ def _kernel(dtype):
             factor = scales[(base + meta[e, 5 + m]) // 4 + (r // SCALE_BLOCK_SIZE) * n_cb + c // SCALE_BLOCK_SIZE]
         nb = 4 if code == CODE_F32 else (2 if code == CODE_BF16 or code == CODE_F16 else 1)
         v = cuda.local.array(VALUES, np.float32)
-        _words_to_values(words, (base + meta[e, 2 + m] + (r * n_in + c) * nb) // 4, code, v)
+        widen_chunk(words, (base + meta[e, 2 + m] + (r * n_in + c) * nb) // 4, code, v)
         o = j * 3 * F * D + m * F * D + r * n_in + c  # a multiple of 16
         if narrow:
             for q in range(VALUES // 4):
-                lo = _bits(v[4 * q] * factor) | (_bits(v[4 * q + 1] * factor) << np.uint64(32))
-                hi = _bits(v[4 * q + 2] * factor) | (_bits(v[4 * q + 3] * factor) << np.uint64(32))
+                lo = f32_bits(v[4 * q] * factor) | (f32_bits(v[4 * q + 1] * factor) << np.uint64(32))
+                hi = f32_bits(v[4 * q + 2] * factor) | (f32_bits(v[4 * q + 3] * factor) << np.uint64(32))
                 out64[o // 4 + q] = pack4(lo, hi)
         else:
             for k in range(VALUES):

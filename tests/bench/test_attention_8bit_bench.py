@@ -41,3 +41,29 @@ def test_each_projection_read_through_its_meta_row_is_the_bf16_sides_weight(dtyp
     scales = block[meta[7] : meta[7] + 4 * D].view(np.float32)
     weights = (codes.astype(np.float32) * scales[:, None]).astype(ml_dtypes.bfloat16).view(np.uint16)
     np.testing.assert_array_equal(weights, o_bf16)
+
+
+def test_variants_time_the_widened_path_everywhere_and_the_8bit_gemm_where_the_engine_widens():
+    from types import SimpleNamespace
+
+    from bench.attention_8bit import variants
+    from expert_service.cuda.attention_8bit import DeviceAttention8Bit
+    from expert_service.cuda.linear_8bit import MMA_MIN_ROWS
+    from expert_service.engine.cuda_options import CudaOptions
+
+    D, Q, KV = SHAPES["tiny"]
+    code, stream = q.CODE_INT8, cuda.default_stream()
+    _, _, qkv8, o8 = random_layer(np.random.default_rng(1), code, D, Q, KV)
+    layer = eight_bit_layer(qkv8, o8, code, D, Q, KV, stream)
+    weights = SimpleNamespace(layer=lambda i, name: None, dtype=np.dtype(np.uint16))
+    linear = SimpleNamespace(as_weight_dtype=lambda x: x)  # what the variants' rows hold, never called here
+    eight = DeviceAttention8Bit((layer,), weights, 64, stream, linear)
+    eight.use_options(CudaOptions(attention_8bit_dense_rows=16))
+    small, large = variants(eight, 2, max(D, Q), {}, stream), variants(eight, 16, max(D, Q), {}, stream)
+    assert set(small) == {"", "-widened"} and small[""] is eight
+    assert set(large) == {"", "-widened", "-gemm", "-whole", "-stream"}
+    assert large["-widened"].rows.dense_at(1) and not large["-gemm"].rows.dense_at(16) and eight.rows.dense_at(16)
+    assert not eight.rows.dense_at(MMA_MIN_ROWS)
+    without = DeviceAttention8Bit((layer,), weights, 64, stream)  # no cuBLAS (the simulator's run)
+    without.use_options(CudaOptions())
+    assert set(variants(without, 2, max(D, Q), {}, stream)) == {""}

@@ -338,7 +338,8 @@ def test_an_8bit_heads_device_buffers_are_planned_with_the_workspace(tmp_path, v
 
 def test_8bit_attentions_device_buffers_are_planned_with_the_workspace(tmp_path):
     """8-bit attention projections' launch tables and bf16 rows (as wide as the widest input, q_size or hidden_size,
-    for max_batch_tokens rows): allocated beside the workspace and counted exactly."""
+    for max_batch_tokens rows) and the scratch their large steps widen each projection into (q_size x hidden_size
+    in the dense dtype): allocated beside the workspace and counted exactly."""
     from numba import cuda
 
     from expert_service.cuda.attention_8bit import DeviceAttention8Bit
@@ -356,11 +357,12 @@ def test_8bit_attentions_device_buffers_are_planned_with_the_workspace(tmp_path)
         plan = plan_device_memory(model, config, plan_slots(model, 0, 0), H100)
         return {item.name: item.nbytes for item in plan.items}["workspace"]
 
-    planned = DeviceAttention8Bit.planned_nbytes(cfg.hidden_size, cfg.q_size, 200)
+    planned = DeviceAttention8Bit.planned_nbytes(cfg.hidden_size, cfg.q_size, 200, np.uint16)
     assert workspace(eight_bit) - workspace(plain) == planned
     weights = DeviceWeights(eight_bit, cuda.default_stream(), use_pinned_memory=False)
     device = DeviceAttention8Bit(weights.attention_8bit, weights, 200, cuda.default_stream())
     allocated = allocated_arrays(device.rows)
-    assert len(allocated) == 7 and sum(a.nbytes for a in allocated) == planned == device.rows.nbytes
+    assert len(allocated) == 8 and sum(a.nbytes for a in allocated) == planned == device.rows.nbytes
     assert device.rows.rows_bf16.size == device.rows.sorted_ids.size * max(cfg.hidden_size, cfg.q_size)
+    assert device.rows.widened.size == cfg.q_size * cfg.hidden_size and device.rows.widened.dtype == np.uint16
     weights.close()

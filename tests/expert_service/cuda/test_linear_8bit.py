@@ -1,7 +1,9 @@
 """EightBitRows (the 8-bit LM head's and attention projections' launches) vs the numpy reference on every path, in the
 simulator: the weight stream up to TOK_TILE rows, the tensor-core GEMM past it (rows rounded to bf16 as it takes
 them), a matrix that is no multiple of 16 rows on the stream at every row count, adding into the output, and the
-q, k and v rows of one stacked block read through their own offsets. Every element of the output written."""
+q, k and v rows of one stacked block read through their own offsets, and large steps widened into a dense scratch for
+cuBLAS (a host stand-in for cuBLAS in the simulator, the real one on the GPU). Every element of the output
+written."""
 
 import ml_dtypes
 import numpy as np
@@ -99,6 +101,91 @@ def test_stacked_rows_read_through_their_offsets(R):
         check(got, x, codes[first : first + count], scale[first : first + count], code, R >= MMA_MIN_ROWS)
 
 
+class HostCublas:
+    """Cublas.linear on the host (the simulator has no cuBLAS): y (+)= x @ w^T in float64, x and w bf16 bits."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def linear(self, x, w, y, accumulate=False):
+        from common.dtypes import bf16_to_float32
+
+        assert x.dtype == w.dtype == np.uint16 and y.dtype == np.float32
+        xs, ws = (bf16_to_float32(a.copy_to_host()).astype(np.float64) for a in (x, w))
+        got = xs @ ws.T + (y.copy_to_host() if accumulate else 0)
+        y.copy_to_device(got.astype(np.float32))
+        self.calls += 1
+
+
+def dense_rows(max_rows, D, widen, blas, stream):
+    from expert_service.cuda.linear import DeviceLinear
+
+    ws = type("Workspace", (), {"cast": cuda.device_array(max_rows * D, np.uint16, stream=stream)})()
+    linear = DeviceLinear(stream, blas, ws, np.uint16)
+    return EightBitRows(max_rows, D, True, stream, split_outputs=0, widen_elements=widen, linear=linear)
+
+
+def check_dense(got, x, codes, scale, code, base=None):
+    """The widened matrix's product: bf16 rows times bf16(q * scale), summed exactly (float64)."""
+    from expert_service.kernels.dequant_matrix import dequant_matrix_reference
+
+    w = bf16(dequant_matrix_reference(codes, scale, code)).astype(np.float64)
+    ref = bf16(x).astype(np.float64) @ w.T + (0 if base is None else base)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    exact = linear_q8_reference(x, codes, scale, code) + (0 if base is None else base)
+    np.testing.assert_allclose(got, exact, rtol=0, atol=2e-2 * np.abs(exact).max())  # bf16 operands
+
+
+@pytest.mark.parametrize("code", [q.CODE_INT8, q.CODE_FP8])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["store", "add"])
+def test_steps_from_the_dense_threshold_widen_the_matrix_for_cublas(code, accumulate):
+    """Below use_dense_rows' count the 8-bit kernels (stream, GEMM); from it the matrix widened into the scratch and
+    multiplied by cuBLAS on the rows cast once; 0 turns it off again."""
+    rng = np.random.default_rng(code + 2 * accumulate)
+    V, D = 48, 32
+    block, meta, codes, scale = matrix_block(rng, code, V, D)
+    matrix = device_matrix(block, meta, code, V, D)
+    blas = HostCublas()
+    rows = dense_rows(MAX_ROWS, D, V * D, blas, cuda.default_stream())
+    rows.use_dense_rows(MMA_MIN_ROWS + 1)
+    assert (
+        rows.variant(MMA_MIN_ROWS + 1, (matrix,)) == ("dense",) and rows.variant(MMA_MIN_ROWS, (matrix,))[0] != "dense"
+    )
+    for R in (1, MMA_MIN_ROWS, MMA_MIN_ROWS + 1, MAX_ROWS):
+        x = rng.standard_normal((R, D)).astype(np.float32)
+        base = rng.standard_normal((R, V)).astype(np.float32) if accumulate else np.full((R, V), np.nan, np.float32)
+        out = cuda.to_device(base)
+        calls = blas.calls
+        run(rows, matrix, x, out, accumulate)
+        dense = R >= MMA_MIN_ROWS + 1
+        assert rows.on_dense == dense and not (dense and rows.on_mma) and blas.calls == calls + dense
+        if dense:
+            check_dense(out.copy_to_host(), x, codes, scale, code, base if accumulate else None)
+        else:
+            check(out.copy_to_host(), x, codes, scale, code, R >= MMA_MIN_ROWS, base if accumulate else None)
+    rows.use_dense_rows(0)
+    rows.set_rows(MAX_ROWS)
+    assert not rows.on_dense and rows.on_mma
+
+
+def test_without_a_scratch_or_cublas_no_step_widens():
+    rows = EightBitRows(MAX_ROWS, 32, True, cuda.default_stream(), widen_elements=64)  # no DeviceLinear
+    rows.use_dense_rows(1)
+    rows.set_rows(MAX_ROWS)
+    assert not rows.on_dense and rows.on_mma
+    with pytest.raises(ValueError, match="dense_min_rows -1: 0"):
+        rows.use_dense_rows(-1)
+    small = dense_rows(MAX_ROWS, 32, 32 * 16, HostCublas(), cuda.default_stream())  # holds [16, 32]
+    small.use_dense_rows(1)
+    small.set_rows(2)
+    big = device_matrix(*matrix_block(np.random.default_rng(0), q.CODE_INT8, 48, 32)[:2], q.CODE_INT8, 48, 32)
+    with pytest.raises(ValueError, match=r"a \[48, 32\] matrix does not fit the 512-element scratch"):
+        small.apply(
+            big, small.inputs(cuda.to_device(np.ones((2, 32), np.float32))), cuda.device_array((2, 48), np.float32)
+        )
+
+
 def test_refusals():
     rows = EightBitRows(3, 16, mma=False, stream=cuda.default_stream())
     with pytest.raises(ValueError, match="4 rows: laid out for 1 to 3"):
@@ -151,3 +238,29 @@ def test_real_tiles_match_reference(code, accumulate, D):
         got = out.copy_to_host(stream=stream)
         stream.synchronize()
         check(got, x, codes, scale, code, R >= MMA_MIN_ROWS, base if accumulate else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("code", [q.CODE_INT8, q.CODE_FP8])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["store", "add"])
+def test_widened_steps_on_cublas_match_reference(code, accumulate):
+    """On the GPU with cuBLAS: large steps widened into the scratch, a matrix of many tiles."""
+    from expert_service.cuda.cublas import WORKSPACE_BYTES, Cublas
+
+    rng = np.random.default_rng(10 + code)
+    V, D, max_rows = 4000, 512, 300
+    block, meta, codes, scale = matrix_block(rng, code, V, D)
+    stream = cuda.stream()
+    matrix = device_matrix(block, meta, code, V, D, stream)
+    blas = Cublas(stream, cuda.device_array(WORKSPACE_BYTES, np.uint8, stream=stream))
+    rows = dense_rows(max_rows, D, V * D, blas, stream)
+    rows.use_dense_rows(32)
+    for R in (32, 257, max_rows):
+        x = rng.standard_normal((R, D)).astype(np.float32)
+        base = rng.standard_normal((R, V)).astype(np.float32) if accumulate else np.full((R, V), np.nan, np.float32)
+        out = cuda.to_device(base, stream=stream)
+        run(rows, matrix, x, out, accumulate, stream)
+        assert rows.on_dense
+        got = out.copy_to_host(stream=stream)
+        stream.synchronize()
+        check_dense(got, x, codes, scale, code, base if accumulate else None)

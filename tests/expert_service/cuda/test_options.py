@@ -27,6 +27,12 @@ def test_thresholds_come_from_a_config_file_and_are_checked():
             resolve(EngineConfig, file_values={"cuda_options": {"q8_mma_max_tokens": bad}}, env={})
         got = 0 if bad == "0" else bad
         assert str(error.value) == f"cuda_options.q8_mma_max_tokens: must be a positive integer, got {got!r}"
+    for name in ("attention_8bit_dense_rows", "grouped_mma_max_tokens_few_experts"):  # 0: never
+        config = resolve(EngineConfig, file_values={"cuda_options": {name: 0}}, env={})
+        assert getattr(config.cuda_options, name) == 0
+        with pytest.raises(ConfigError) as error:
+            resolve(EngineConfig, file_values={"cuda_options": {name: -1}}, env={})
+        assert str(error.value) == f"cuda_options.{name}: must be an integer >= 0, got -1"
     # a YAML file's values arrive as the text written, read by the settings' rule for numbers
     config = resolve(EngineConfig, file_values={"cuda_options": {"q8_mma_max_tokens": "8"}}, env={})
     assert config.cuda_options.q8_mma_max_tokens == 8

@@ -1,8 +1,9 @@
-"""The cuda backend with 8-bit attention projections (linear_q8 up to TOK_TILE rows, moe_gemm_q8mma past it; o_proj
-adding into the residual in both) against the cpu backend on the same converted model (GPU only): int8 and fp8, every
-family (Qwen2-MoE's q/k/v biases, OLMoE's full-width q/k norms, Qwen3-MoE's per-head ones), beside 8-bit experts and
-an 8-bit head; greedy tokens equal, logits of batched decode and of prompts within the bf16 tolerance, graphs and
-eager, q|k|v fused at one token and not."""
+"""The cuda backend with 8-bit attention projections (linear_q8 up to TOK_TILE rows, moe_gemm_q8mma past it, and from
+CudaOptions.attention_8bit_dense_rows tokens each projection widened for cuBLAS; o_proj adding into the residual on
+each) against the cpu backend on the same converted model (GPU only): int8 and fp8, every family (Qwen2-MoE's q/k/v
+biases, OLMoE's full-width q/k norms, Qwen3-MoE's per-head ones), beside 8-bit experts and an 8-bit head; greedy tokens
+equal, logits of batched decode and of prompts within the bf16 tolerance, graphs and eager, q|k|v fused at one token
+and not, large steps widened and on the 8-bit GEMM."""
 
 import dataclasses
 
@@ -50,7 +51,14 @@ def engines(request, tmp_path_factory):
         "graphs": open_(backend="cuda", cuda_options=EXACT_ACTIVATIONS),
         "eager": open_(backend="cuda", cuda_options=EXACT_ACTIVATIONS, cuda_graphs=False),
         "unfused": open_(backend="cuda", cuda_options=unfused),
+        "8bit_gemm": open_(
+            backend="cuda", cuda_options=dataclasses.replace(EXACT_ACTIVATIONS, attention_8bit_dense_rows=0)
+        ),
     }
+    assert (
+        gpus["graphs"].decoder.model.attention_8bit.rows.dense_min_rows == EXACT_ACTIVATIONS.attention_8bit_dense_rows
+    )
+    assert 1 < EXACT_ACTIVATIONS.attention_8bit_dense_rows <= 40  # the 40- and 300-token prompts widen
     assert gpus["graphs"].decoder.model.attention_8bit is not None
     return "-".join(str(v) for v in request.param), open_(backend="cpu"), gpus
 
