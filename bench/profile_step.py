@@ -29,7 +29,8 @@ scenario: wall, device busy, every kernel's time and launches per step; and per 
 differences) and prints the top kernels.
 Weights are random bf16 written straight into a Colibri model directory (no transformers needed; one random
 pool reused across tensors, fresh values for the routers so routing stays uniform); `--expert-dtype int8|fp8`
-writes the experts in that dtype instead (bench/random_model.py). `--cache-slots N` runs the engines with the
+writes the experts in that dtype instead (bench/random_model.py), `int8+head+attn` and the other bench/engine.py
+formats the LM head and attention projections too. `--cache-slots N` runs the engines with the
 expert cache at N slots per MoE layer (`--prefetch` none by default; with plan, every step carries a uniform random
 routing plan, as lut's, so the plan prefetch runs: at chance on random routing, but at its full cost a step).
 `--host-profile` also records where the
@@ -59,7 +60,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.engine import SHAPES  # noqa: E402
+from bench.engine import RUN_DTYPES, SHAPES  # noqa: E402
 from bench.kernel_timeline import kernel_totals  # noqa: E402
 
 SCENARIOS = {
@@ -430,7 +431,12 @@ def main() -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated of {', '.join(SCENARIOS)}")
     parser.add_argument("--workdir", default="/dev/shm/colibri-profile")
     parser.add_argument("--top", type=int, default=12)
-    parser.add_argument("--expert-dtype", default="bfloat16", choices=("bfloat16", "int8", "fp8"))
+    parser.add_argument(
+        "--expert-dtype",
+        default="bfloat16",
+        choices=RUN_DTYPES,
+        help="the experts' storage (+head: the LM head too, +attn: the attention projections)",
+    )
     parser.add_argument("--cache-slots", type=int, default=0, help="expert cache slots per MoE layer (0: resident)")
     parser.add_argument("--prefetch", default="none", help="the expert cache's prefetch (with --cache-slots)")
     parser.add_argument("--host-profile", action="store_true", help="also cProfile the host side of each scenario")
