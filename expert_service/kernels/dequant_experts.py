@@ -85,10 +85,31 @@ def widen_chunk(words, w0, code, v):
 
 
 @functools.cache
-def _kernel(dtype):
+def chunk_storer(dtype):
+    """Device function `store_chunk(v, factor, out, out64, o)`: the VALUES values v[k] * factor, rounded to `dtype`,
+    into the flat `out` from element o (a multiple of 16); 16-bit dtypes four values a store through out64 (the same
+    bytes as uint64), float32 one a store."""
     store = storer(dtype)
     narrow = np.dtype(dtype).itemsize == 2
     pack4 = packer4(dtype if narrow else np.uint16)
+
+    @cuda.jit(device=True, inline=True)
+    def store_chunk(v, factor, out, out64, o):
+        if narrow:
+            for q in range(VALUES // 4):
+                lo = f32_bits(v[4 * q] * factor) | (f32_bits(v[4 * q + 1] * factor) << np.uint64(32))
+                hi = f32_bits(v[4 * q + 2] * factor) | (f32_bits(v[4 * q + 3] * factor) << np.uint64(32))
+                out64[o // 4 + q] = pack4(lo, hi)
+        else:
+            for k in range(VALUES):
+                store(out, o + k, v[k] * factor)
+
+    return store_chunk
+
+
+@functools.cache
+def _kernel(dtype):
+    store_chunk = chunk_storer(dtype)
 
     def kernel(words, scales, meta, stride, offsets, first, F, D, gu_chunks, down_chunks, out, out64):
         """words / scales: the layer's expert buffer [E, stride] as flat uint32 / float32; meta [E, META_WIDTH]
@@ -138,15 +159,7 @@ def _kernel(dtype):
         nb = 4 if code == CODE_F32 else (2 if code == CODE_BF16 or code == CODE_F16 else 1)
         v = cuda.local.array(VALUES, np.float32)
         widen_chunk(words, (base + meta[e, 2 + m] + (r * n_in + c) * nb) // 4, code, v)
-        o = j * 3 * F * D + m * F * D + r * n_in + c  # a multiple of 16
-        if narrow:
-            for q in range(VALUES // 4):
-                lo = f32_bits(v[4 * q] * factor) | (f32_bits(v[4 * q + 1] * factor) << np.uint64(32))
-                hi = f32_bits(v[4 * q + 2] * factor) | (f32_bits(v[4 * q + 3] * factor) << np.uint64(32))
-                out64[o // 4 + q] = pack4(lo, hi)
-        else:
-            for k in range(VALUES):
-                store(out, o + k, v[k] * factor)
+        store_chunk(v, factor, out, out64, j * 3 * F * D + m * F * D + r * n_in + c)  # a multiple of 16
 
     return kernel, cached_jit(kernel)
 

@@ -20,21 +20,18 @@ from numba import cuda, types
 from numba.np import numpy_support
 
 from expert_service.kernels import expert_quant
-from expert_service.kernels.dequant_experts import f32_bits, widen_chunk
+from expert_service.kernels.dequant_experts import VALUES, chunk_storer, widen_chunk
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.linear_q8 import CODES
-from expert_service.kernels.numeric import SIMULATOR, check_array, packer4, storer
+from expert_service.kernels.numeric import SIMULATOR, check_array
 
 THREADS = 8 if SIMULATOR else 128  # the simulator pays per thread; short test rows need few
-VALUES = 16  # values per thread: one 16-byte chunk of an 8-bit row (rows are whole chunks)
 _DTYPES = (np.uint16, np.float16, np.float32)  # the dense dtype (uint16 = bfloat16 bits)
 
 
 @functools.cache
 def _kernel(dtype):
-    store = storer(dtype)
-    narrow = np.dtype(dtype).itemsize == 2
-    pack4 = packer4(dtype if narrow else np.uint16)
+    store_chunk = chunk_storer(dtype)
 
     def kernel(words, scales, meta, n_in, chunks, out, out64):
         """words / scales: the block as flat uint32 / float32; meta [1, META_WIDTH] int32 (linear_q8.matrix_meta:
@@ -50,15 +47,7 @@ def _kernel(dtype):
         factor = scales[meta[0, 7] // 4 + r]
         v = cuda.local.array(VALUES, np.float32)
         widen_chunk(words, (meta[0, 4] + r * n_in + c) // 4, code, v)
-        o = r * n_in + c  # a multiple of 16
-        if narrow:
-            for q in range(VALUES // 4):
-                lo = f32_bits(v[4 * q] * factor) | (f32_bits(v[4 * q + 1] * factor) << np.uint64(32))
-                hi = f32_bits(v[4 * q + 2] * factor) | (f32_bits(v[4 * q + 3] * factor) << np.uint64(32))
-                out64[o // 4 + q] = pack4(lo, hi)
-        else:
-            for k in range(VALUES):
-                store(out, o + k, v[k] * factor)
+        store_chunk(v, factor, out, out64, r * n_in + c)  # a multiple of 16
 
     return kernel, cached_jit(kernel)
 
