@@ -93,10 +93,12 @@ def variants(eight, R: int, widest: int, q8_shapes: dict, stream) -> dict:
         return other
 
     out = {"": eight}
-    ours = eight.rows
+    ours, first = eight.rows, eight.layers[0]
     if ours.linear is not None:  # cuBLAS: the widened matrices at every row count, the 8-bit GEMM where they widen
+        widen = max(m.n_out * m.n_in for m in (first.q, first.k, first.v, first.o))
+        dtype = ours.linear.weights_dtype
         widened = EightBitRows(
-            ours.max_rows, widest, True, stream, widen_elements=ours.widened.size, linear=ours.linear
+            ours.max_rows, widest, True, stream, widen_elements=widen, dense_dtype=dtype, linear=ours.linear
         )
         widened.use_dense_rows(1)
         out["-widened"] = with_rows(widened)
@@ -146,6 +148,7 @@ def bench_shape(
             R_max,
             stream,
             linear if cublas is not None else None,
+            CudaOptions().attention_8bit_dense_rows,
         )
         eight.use_options(CudaOptions())  # the shipped threshold of widening
         nbytes8 = layers[0][2].size + layers[0][3].size

@@ -538,6 +538,8 @@ class CudaDecoder:
                 "cuda_options: shared_prefix_attention needs buffers the workspace was not laid out for; give it to "
                 "the engine's config instead"
             )
+        if self.model.attention_8bit is not None and (why := self.model.attention_8bit.refusal(options)):
+            raise ValueError(why)
         if missing:
             names = ", ".join(sorted(m.value for m in missing))
             raise ValueError(

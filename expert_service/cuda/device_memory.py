@@ -213,7 +213,8 @@ def plan_device_memory(
     if (head := model.head_format) is not None:
         sampling += EightBitRows.planned_nbytes(S, cfg.hidden_size, takes_mma(V, head.nbytes))
     if model.attention_format is not None:
-        sampling += DeviceAttention8Bit.planned_nbytes(cfg.hidden_size, cfg.q_size, T, facts.dtype)
+        dense_rows = config.cuda_options.attention_8bit_dense_rows
+        sampling += DeviceAttention8Bit.planned_nbytes(cfg.hidden_size, cfg.q_size, T, facts.dtype, dense_rows)
     if cached:
         experts = slot_plan.slots_per_layer * slot_plan.slot_row_bytes + plan_table_bytes
         if dense_scratch_needed(facts.quantized, T, workspace.cached_grouped):  # one 8-bit expert made dense

@@ -126,6 +126,9 @@ class EightBitRows:
         self.bounds = cuda.to_device(row_bounds(max_rows), stream=stream)
         self.first_row = cuda.to_device(np.zeros((1, 1), np.int32), stream=stream)
         self.widened: DeviceNDArray | None = None  # the dense scratch
+        if linear is not None and np.dtype(linear.weights_dtype) != np.dtype(dense_dtype):
+            raise ValueError(f"dense_dtype {np.dtype(dense_dtype)}: cuBLAS here takes {np.dtype(linear.weights_dtype)}")
+        self._dense = False  # the set row count's path: widened
         if widen_elements:
             self.widened = cuda.device_array(widen_elements, dense_dtype, stream=stream)
         self._widened_views: dict[tuple[int, int], DeviceNDArray] = {}  # made once a shape: views cost host time
@@ -200,7 +203,7 @@ class EightBitRows:
 
     @property
     def on_dense(self) -> bool:
-        return self.dense_at(self.rows)
+        return self._dense
 
     @property
     def on_mma(self) -> bool:
@@ -211,7 +214,7 @@ class EightBitRows:
         launch, shared by every matrix of the step)."""
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"{rows} rows: laid out for 1 to {self.max_rows}")
-        self.rows = rows
+        self.rows, self._dense = rows, self.dense_at(rows)
         if self.on_mma:
             self.config = choose_config(rows, 1)
             self.tiles = -(-rows // self.config.block_m)

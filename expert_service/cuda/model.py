@@ -71,7 +71,8 @@ class CudaModel:
         self.attention_8bit: DeviceAttention8Bit | None = None
         if weights.attention_8bit is not None:
             rows = workspace.hidden.shape[0]
-            self.attention_8bit = DeviceAttention8Bit(weights.attention_8bit, weights, rows, stream, linear)
+            dense_rows = options.attention_8bit_dense_rows
+            self.attention_8bit = DeviceAttention8Bit(weights.attention_8bit, weights, rows, stream, linear, dense_rows)
             self.attention_8bit.use_options(options)
         self.moe = DeviceMoe(
             config, weights, workspace, linear, stream, cached, options=options, planned=planned, host_break=host_break

@@ -56,14 +56,14 @@ def test_variants_time_the_widened_path_everywhere_and_the_8bit_gemm_where_the_e
     _, _, qkv8, o8 = random_layer(np.random.default_rng(1), code, D, Q, KV)
     layer = eight_bit_layer(qkv8, o8, code, D, Q, KV, stream)
     weights = SimpleNamespace(layer=lambda i, name: None, dtype=np.dtype(np.uint16))
-    linear = SimpleNamespace(as_weight_dtype=lambda x: x)  # what the variants' rows hold, never called here
-    eight = DeviceAttention8Bit((layer,), weights, 64, stream, linear)
+    linear = SimpleNamespace(weights_dtype=np.dtype(np.uint16))  # what the variants' rows hold, never called here
+    eight = DeviceAttention8Bit((layer,), weights, 64, stream, linear, dense_rows=16)
     eight.use_options(CudaOptions(attention_8bit_dense_rows=16))
     small, large = variants(eight, 2, max(D, Q), {}, stream), variants(eight, 16, max(D, Q), {}, stream)
     assert set(small) == {"", "-widened"} and small[""] is eight
     assert set(large) == {"", "-widened", "-gemm", "-whole", "-stream"}
     assert large["-widened"].rows.dense_at(1) and not large["-gemm"].rows.dense_at(16) and eight.rows.dense_at(16)
     assert not eight.rows.dense_at(MMA_MIN_ROWS)
-    without = DeviceAttention8Bit((layer,), weights, 64, stream)  # no cuBLAS (the simulator's run)
+    without = DeviceAttention8Bit((layer,), weights, 64, stream, dense_rows=32)  # no cuBLAS (the simulator's run)
     without.use_options(CudaOptions())
     assert set(variants(without, 2, max(D, Q), {}, stream)) == {""}

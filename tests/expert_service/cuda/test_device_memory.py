@@ -36,6 +36,7 @@ from expert_service.cuda.device_memory import (
 )
 from expert_service.cuda.driver import CudaDriverError
 from expert_service.engine.config import EngineConfig
+from expert_service.engine.cuda_options import CudaOptions
 from expert_service.experts.slots import plan_slots
 
 GIB = 2**30
@@ -357,12 +358,20 @@ def test_8bit_attentions_device_buffers_are_planned_with_the_workspace(tmp_path)
         plan = plan_device_memory(model, config, plan_slots(model, 0, 0), H100)
         return {item.name: item.nbytes for item in plan.items}["workspace"]
 
-    planned = DeviceAttention8Bit.planned_nbytes(cfg.hidden_size, cfg.q_size, 200, np.uint16)
+    dense_rows = config.cuda_options.attention_8bit_dense_rows
+    assert 0 < dense_rows <= 200  # the shipped threshold widens steps of this engine
+    planned = DeviceAttention8Bit.planned_nbytes(cfg.hidden_size, cfg.q_size, 200, np.uint16, dense_rows)
     assert workspace(eight_bit) - workspace(plain) == planned
     weights = DeviceWeights(eight_bit, cuda.default_stream(), use_pinned_memory=False)
-    device = DeviceAttention8Bit(weights.attention_8bit, weights, 200, cuda.default_stream())
+    device = DeviceAttention8Bit(weights.attention_8bit, weights, 200, cuda.default_stream(), dense_rows=dense_rows)
     allocated = allocated_arrays(device.rows)
     assert len(allocated) == 8 and sum(a.nbytes for a in allocated) == planned == device.rows.nbytes
     assert device.rows.rows_bf16.size == device.rows.sorted_ids.size * max(cfg.hidden_size, cfg.q_size)
     assert device.rows.widened.size == cfg.q_size * cfg.hidden_size and device.rows.widened.dtype == np.uint16
+    for never in (0, 201):  # no widening within the engine's steps: no scratch, planned or allocated
+        config = dataclasses.replace(config, cuda_options=CudaOptions(attention_8bit_dense_rows=never))
+        planned = DeviceAttention8Bit.planned_nbytes(cfg.hidden_size, cfg.q_size, 200, np.uint16, never)
+        assert workspace(eight_bit) - workspace(plain) == planned
+        device = DeviceAttention8Bit(weights.attention_8bit, weights, 200, cuda.default_stream(), dense_rows=never)
+        assert device.rows.widened is None and device.rows.nbytes == planned
     weights.close()
