@@ -136,7 +136,9 @@ def decoder(options: CudaOptions, laid_out: CudaOptions, max_tokens: int = 256, 
         dense=object() if dense_scratch_needed(all_8bit, max_tokens, laid_out_grouped) else None,
     )
     d.cached.make_dense_scratch = lambda: setattr(d.cached, "dense", d.cached.dense or object())
-    d.model = SimpleNamespace(options=options, use_options=lambda o: setattr(d.model, "options", o))
+    d.model = SimpleNamespace(
+        options=options, use_options=lambda o: setattr(d.model, "options", o), attention_8bit=None
+    )
     d.workspace_strategies = d.strategies.reachable(laid_out, True) | {
         GROUPED,
         CUBLAS,

@@ -94,6 +94,7 @@ def decoder_laid_out_for_defaults(cfg):
     d.weights = SimpleNamespace(dtype=np.dtype(np.uint16), quantized=True, all_8bit=True)
     d.workspace_strategies = d.strategies.reachable(CudaOptions(), False)
     d.workspace_w8a8_min_rows = CudaOptions().w8a8_min_rows  # the defaults run W8A8 where it applies
+    d.model = SimpleNamespace(attention_8bit=None)
     return d
 
 
@@ -101,6 +102,18 @@ def test_set_options_refuses_strategies_the_workspace_lacks():
     d = decoder_laid_out_for_defaults(config(128))
     with pytest.raises(ValueError, match=r"^cuda_options: .*\(cublas_per_expert\)"):
         d.set_options(CudaOptions(q8_mma_max_tokens=100))
+
+
+def test_set_options_refuses_what_the_8bit_attention_buffers_cannot_run_before_changing_anything():
+    d = decoder_laid_out_for_defaults(config(128))
+    asked = []
+    why = "cuda_options: attention_8bit_dense_rows 8 needs the widening scratch"
+    d.model = SimpleNamespace(attention_8bit=SimpleNamespace(refusal=lambda o: asked.append(o) or why))
+    d.drop_graphs = lambda: pytest.fail("graphs dropped before the refusal")
+    options = CudaOptions(attention_8bit_dense_rows=8)
+    with pytest.raises(ValueError, match="^cuda_options: attention_8bit_dense_rows 8 needs the widening scratch$"):
+        d.set_options(options)
+    assert asked == [options]
 
 
 # ---- W8A8 (CudaOptions.q8_activations) ----
