@@ -95,7 +95,7 @@ def variants(eight, R: int, widest: int, q8_shapes: dict, stream) -> dict:
     out = {"": eight}
     ours, first = eight.rows, eight.layers[0]
     if ours.linear is not None:  # cuBLAS: the widened matrices at every row count, the 8-bit GEMM where they widen
-        widen = max(m.n_out * m.n_in for m in (first.q, first.k, first.v, first.o))
+        widen = eight.scratch_elements(first.q.n_in, first.q.n_out)
         dtype = ours.linear.weights_dtype
         widened = EightBitRows(
             ours.max_rows, widest, True, stream, widen_elements=widen, dense_dtype=dtype, linear=ours.linear
@@ -148,9 +148,8 @@ def bench_shape(
             R_max,
             stream,
             linear if cublas is not None else None,
-            CudaOptions().attention_8bit_dense_rows,
+            CudaOptions().attention_8bit_dense_rows,  # the shipped threshold of widening
         )
-        eight.use_options(CudaOptions())  # the shipped threshold of widening
         nbytes8 = layers[0][2].size + layers[0][3].size
         for R in rows:
             x = cuda.to_device(rng.standard_normal((R, D)).astype(np.float32), stream=stream)

@@ -35,9 +35,7 @@ class DeviceAttention8Bit:
             raise ValueError("8-bit attention projections need outputs of whole 16-column tiles")
         first = layers[0]
         widest = max(first.q.n_in, first.o.n_in)  # q_size or hidden_size, in and out
-        widen = (
-            max(m.n_out * m.n_in for m in (first.q, first.k, first.v, first.o)) if widens(dense_rows, max_rows) else 0
-        )
+        widen = self.scratch_elements(first.q.n_in, first.q.n_out) if widens(dense_rows, max_rows) else 0
         self.rows = EightBitRows(
             max_rows,
             widest,
@@ -48,6 +46,12 @@ class DeviceAttention8Bit:
             dense_dtype=weights.dtype,
             linear=linear,
         )
+        self.rows.use_dense_rows(dense_rows)
+
+    @staticmethod
+    def scratch_elements(hidden_size: int, q_size: int) -> int:
+        """The widening scratch's elements: the largest projection, q [q_size, hidden] or o [hidden, q_size]."""
+        return q_size * hidden_size
 
     def refusal(self, options) -> str | None:
         """Why `options` cannot run on these buffers (None: they can): a widening threshold within the steps when
@@ -78,7 +82,8 @@ class DeviceAttention8Bit:
         """The device bytes __init__ allocates (its launch tables, bf16 rows, split-K partials and, where dense_rows
         widens, the scratch: q and o are the largest projections), for the device-memory plan."""
         widest = max(hidden_size, q_size)
-        widen_bytes = q_size * hidden_size * np.dtype(dense_dtype).itemsize if widens(dense_rows, max_rows) else 0
+        scratch = DeviceAttention8Bit.scratch_elements(hidden_size, q_size) if widens(dense_rows, max_rows) else 0
+        widen_bytes = scratch * np.dtype(dense_dtype).itemsize
         return EightBitRows.planned_nbytes(max_rows, widest, mma=True, split_outputs=widest, widen_bytes=widen_bytes)
 
     def start_pass(self, rows: int) -> None:

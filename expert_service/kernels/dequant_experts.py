@@ -40,7 +40,7 @@ from expert_service.kernels.ptx import ld_stream_v4
 
 THREADS = 8 if SIMULATOR else 128  # the simulator pays per thread; short test rows need few
 VALUES = 16  # values per thread: one 16-byte chunk of an 8-bit row (F and D are multiples of 16)
-_DTYPES = (np.uint16, np.float16, np.float32)  # the scratch's dense dtype (uint16 = bfloat16 bits)
+DENSE_DTYPES = (np.uint16, np.float16, np.float32)  # the scratch's dense dtype (uint16 = bfloat16 bits)
 
 if SIMULATOR:
 
@@ -182,7 +182,7 @@ class DequantInto:
             raise ValueError(f"experts must be uint8 [E, stride], got {experts.dtype} {list(experts.shape)}")
         if meta.shape != (E, META_WIDTH) or offsets.shape != (E + 1,) or F % 16 or D % 16:
             raise ValueError(f"meta {list(meta.shape)} / offsets {list(offsets.shape)} for {E} experts, F={F}, D={D}")
-        if out.ndim != 2 or out.shape[1] != 3 * F * D or np.dtype(out.dtype) not in [np.dtype(d) for d in _DTYPES]:
+        if out.ndim != 2 or out.shape[1] != 3 * F * D or np.dtype(out.dtype) not in [np.dtype(d) for d in DENSE_DTYPES]:
             raise ValueError(f"out must be [G, {3 * F * D}] bfloat16/float16/float32, got {out.dtype} {list(out.shape)}")
         if out.shape[0] > 65535:
             raise ValueError(f"a group of {out.shape[0]} experts exceeds the grid's 65535")
@@ -225,5 +225,5 @@ def sm90_signatures():
                 types.uint64[::1],
             ),
         )
-        for dt in _DTYPES
+        for dt in DENSE_DTYPES
     ]

@@ -20,13 +20,12 @@ from numba import cuda, types
 from numba.np import numpy_support
 
 from expert_service.kernels import expert_quant
-from expert_service.kernels.dequant_experts import VALUES, chunk_storer, widen_chunk
+from expert_service.kernels.dequant_experts import DENSE_DTYPES, VALUES, chunk_storer, widen_chunk
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.linear_q8 import CODES
 from expert_service.kernels.numeric import SIMULATOR, check_array
 
 THREADS = 8 if SIMULATOR else 128  # the simulator pays per thread; short test rows need few
-_DTYPES = (np.uint16, np.float16, np.float32)  # the dense dtype (uint16 = bfloat16 bits)
 
 
 @functools.cache
@@ -64,7 +63,7 @@ def launch_dequant_matrix(block, meta, code: int, n_out: int, n_in: int, out, st
         raise ValueError(f"an 8-bit matrix [{n_out}, {n_in}] needs rows of a positive multiple of {VALUES} values")
     if block.ndim != 1 or np.dtype(block.dtype) != np.uint8 or block.size % 4:
         raise ValueError(f"block must be uint8 [n] with n % 4 == 0, got {block.dtype} {list(block.shape)}")
-    if out.shape != (n_out, n_in) or np.dtype(out.dtype) not in [np.dtype(d) for d in _DTYPES]:
+    if out.shape != (n_out, n_in) or np.dtype(out.dtype) not in [np.dtype(d) for d in DENSE_DTYPES]:
         raise ValueError(f"out must be [{n_out}, {n_in}] bfloat16/float16/float32, got {out.dtype} {list(out.shape)}")
     chunks = -(-n_in // (VALUES * THREADS))
     flat = out.reshape(out.size)
@@ -95,5 +94,5 @@ def sm90_signatures():
                 types.uint64[::1],
             ),
         )
-        for dt in _DTYPES
+        for dt in DENSE_DTYPES
     ]
