@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 from numba import cuda
 
-from expert_service.kernels.dequant_matrix import launch_dequant_matrix
+from expert_service.kernels.dequant_matrix import MatrixWidening
 from expert_service.kernels.linear_q8 import launch_linear_q8, row_bounds
 from expert_service.kernels.moe_align import launch_moe_gather_bf16
 from expert_service.kernels.moe_gemm_q8mma import choose_config, launch_q8mma_down, split_plan
@@ -132,6 +132,7 @@ class EightBitRows:
         if widen_elements:
             self.widened = cuda.device_array(widen_elements, dense_dtype, stream=stream)
         self._widened_views: dict[tuple[int, int], DeviceNDArray] = {}  # made once a shape: views cost host time
+        self._widenings: dict[int, tuple[Matrix8Bit, MatrixWidening]] = {}  # by id, the matrix kept: ids stay unique
         if not self.mma:
             return
         width = mma_width(max_rows)
@@ -241,7 +242,7 @@ class EightBitRows:
         st = self.stream
         if rows.xc is not None:
             dense = self._widened_view(matrix.n_out, matrix.n_in)
-            launch_dequant_matrix(matrix.block, matrix.meta, matrix.code, matrix.n_out, matrix.n_in, dense, stream=st)
+            self._widening(matrix, dense).launch(st)
             self.linear.linear(rows.x, dense, out, accumulate=accumulate, force_cublas=True, xc=rows.xc)
             return
         if rows.xs is None:
@@ -265,6 +266,13 @@ class EightBitRows:
             splits=self._splits(self.rows, matrix, self.config),
             partials=self.partials,
         )
+
+    def _widening(self, matrix: Matrix8Bit, dense) -> MatrixWidening:
+        """The matrix's widening into the scratch, made on its first widened step."""
+        if (known := self._widenings.get(id(matrix))) is None:
+            widening = MatrixWidening(matrix.block, matrix.meta, matrix.code, matrix.n_out, matrix.n_in, dense)
+            known = self._widenings[id(matrix)] = (matrix, widening)
+        return known[1]
 
     def _widened_view(self, n_out: int, n_in: int):
         """The scratch's first n_out x n_in elements as [n_out, n_in]."""

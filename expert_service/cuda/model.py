@@ -76,10 +76,17 @@ class CudaModel:
         self.moe = DeviceMoe(
             config, weights, workspace, linear, stream, cached, options=options, planned=planned, host_break=host_break
         )
-        self.warm = L2Warmer.make(config, weights, stream)
+        self.warm: L2Warmer | None = None  # built when CudaOptions.l2_prefetch is first on: off, nothing is uploaded
+        self._warm_built = False
+        self._build_warmer(options)
+
+    def _build_warmer(self, options: CudaOptions) -> None:
+        if options.l2_prefetch and not self._warm_built:
+            self.warm, self._warm_built = L2Warmer.make(self.config, self.weights, self.stream), True
 
     def use_options(self, options: CudaOptions) -> None:
         """The paths the next passes take (the runner drops the graphs captured with the old ones)."""
+        self._build_warmer(options)
         self.options = self.moe.options = options
         if self.attention_8bit is not None:
             self.attention_8bit.use_options(options)

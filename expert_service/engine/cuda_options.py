@@ -52,7 +52,8 @@ class CudaOptions:
     # EXPERIMENTAL: decode steps prefetch weights into L2 a kernel or two before they are streamed (cuda/l2_warm.py:
     # after q|k|v, the layer's o and router rows; after the router, the picked experts of a one-token step and the
     # next layer's q|k|v), so the HBM stays busy through the short kernels in between. Outputs are unchanged (a
-    # prefetch is a hint) (False: every weight stream starts cold)
+    # prefetch is a hint). Measured slower (H100: one warp issues ~0.2 TB/s and stalls the stream behind it; a
+    # qwen3moe-shape int8 one-token step 1.7x longer) (False: every weight stream starts cold)
     l2_prefetch: bool = False
     # a MoE layer's combine also writes the next layer's input RMSNorm, moe_combine_rmsnorm, where cuda/moe.py
     # finds it pays (FUSED_COMBINE_NORM_MIN_TOKENS) (False: rmsnorm at the next layer's start)
@@ -124,11 +125,11 @@ class CudaOptions:
     w8a8_min_rows: int = 32
     # models with 8-bit attention projections: steps of at least this many tokens widen each projection into a
     # dense scratch (kernels/dequant_matrix.py) for cuBLAS instead of running it on 8-bit rows (linear_q8 up to 4
-    # rows, moe_gemm_q8mma past), which reads the matrix once a tile of rows: H200 per layer at 64 / 512 rows,
-    # mixtral-shape 101 / 350 µs against bf16's 44 / 84, of which the widening should add ~30-40. 0 (never) until
-    # measured on the GPU, as the experimental switches; 32 is where the H200's per-kernel figures put the
-    # crossover (16-64 rows; docs/quantization.md). The scratch is laid out only when the engine's value widens
-    attention_8bit_dense_rows: int = 0
+    # rows, moe_gemm_q8mma past), which reads the matrix once a tile of rows. 64: H100 per layer, widened against
+    # the 8-bit GEMM, mixtral-shape 88.5 / 67.8 µs at 16 rows, 87.1 / 74.4 at 32, 88.8 / 100.3 at 64, 144 / 348
+    # at 512; qwen3moe-shape 55 / 55, 56 / 60, 58 / 79, 85 / 237 (bench/attention_8bit.py). 0: never. The
+    # scratch is laid out only when the engine's value widens some step it can take.
+    attention_8bit_dense_rows: int = 64
 
     def __post_init__(self) -> None:
         for name in ("q8_mma_min_tokens", "q8_mma_max_tokens", "q8_mma_max_tokens_few_experts", "w8a8_min_rows"):

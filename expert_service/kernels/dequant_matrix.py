@@ -51,25 +51,41 @@ def _kernel(dtype):
     return kernel, cached_jit(kernel)
 
 
+class MatrixWidening:
+    """One matrix's widening into one output, checked and with its device-array views made once: an eager step
+    launches it again at the cost of the launch alone (each view costs tens of µs of host time, and a widened
+    step widens q, k, v and o of every layer).
+
+    block uint8 [nbytes] (16-byte aligned, nbytes % 4 == 0) holding the matrix [n_out, n_in] of `code` (int8 / fp8
+    e4m3) from byte meta[0, 4] and its n_out float32 scales from byte meta[0, 7]; meta [1, META_WIDTH] int32 on the
+    device (linear_q8.matrix_meta); out [n_out, n_in] uint16 (bf16) / float16 / float32, every element written."""
+
+    def __init__(self, block, meta, code: int, n_out: int, n_in: int, out):
+        check_array("meta", meta, (1, expert_quant.META_WIDTH), np.int32)
+        if code not in CODES:
+            raise ValueError(f"expert_quant code {code}: an 8-bit matrix is int8 or fp8 e4m3")
+        if n_in <= 0 or n_in % VALUES or n_out <= 0:
+            raise ValueError(f"an 8-bit matrix [{n_out}, {n_in}] needs rows of a positive multiple of {VALUES} values")
+        if block.ndim != 1 or np.dtype(block.dtype) != np.uint8 or block.size % 4:
+            raise ValueError(f"block must be uint8 [n] with n % 4 == 0, got {block.dtype} {list(block.shape)}")
+        if out.shape != (n_out, n_in) or np.dtype(out.dtype) not in [np.dtype(d) for d in DENSE_DTYPES]:
+            raise ValueError(
+                f"out must be [{n_out}, {n_in}] bfloat16/float16/float32, got {out.dtype} {list(out.shape)}"
+            )
+        chunks = -(-n_in // (VALUES * THREADS))
+        flat = out.reshape(out.size)
+        out64 = flat.view(np.uint64)  # read by the 16-bit dtypes only (whole 16-value rows: always 8-byte multiples)
+        self._kernel = _kernel(np.dtype(out.dtype).type)[1]
+        self._blocks = n_out * chunks
+        self._args = (block.view(np.uint32), block.view(np.float32), meta, n_in, chunks, flat, out64)
+
+    def launch(self, stream=0) -> None:
+        self._kernel[self._blocks, THREADS, stream](*self._args)
+
+
 def launch_dequant_matrix(block, meta, code: int, n_out: int, n_in: int, out, stream=0) -> None:
-    """block uint8 [nbytes] (16-byte aligned, nbytes % 4 == 0) holding the matrix [n_out, n_in] of `code` (int8 /
-    fp8 e4m3) from byte meta[0, 4] and its n_out float32 scales from byte meta[0, 7]; meta [1, META_WIDTH] int32
-    on the device (linear_q8.matrix_meta); out [n_out, n_in] uint16 (bf16) / float16 / float32, every element
-    written."""
-    check_array("meta", meta, (1, expert_quant.META_WIDTH), np.int32)
-    if code not in CODES:
-        raise ValueError(f"expert_quant code {code}: an 8-bit matrix is int8 or fp8 e4m3")
-    if n_in <= 0 or n_in % VALUES or n_out <= 0:
-        raise ValueError(f"an 8-bit matrix [{n_out}, {n_in}] needs rows of a positive multiple of {VALUES} values")
-    if block.ndim != 1 or np.dtype(block.dtype) != np.uint8 or block.size % 4:
-        raise ValueError(f"block must be uint8 [n] with n % 4 == 0, got {block.dtype} {list(block.shape)}")
-    if out.shape != (n_out, n_in) or np.dtype(out.dtype) not in [np.dtype(d) for d in DENSE_DTYPES]:
-        raise ValueError(f"out must be [{n_out}, {n_in}] bfloat16/float16/float32, got {out.dtype} {list(out.shape)}")
-    chunks = -(-n_in // (VALUES * THREADS))
-    flat = out.reshape(out.size)
-    out64 = flat.view(np.uint64)  # read by the 16-bit dtypes only (whole 16-value rows: always 8-byte multiples)
-    kernel = _kernel(np.dtype(out.dtype).type)[1]
-    kernel[n_out * chunks, THREADS, stream](block.view(np.uint32), block.view(np.float32), meta, n_in, chunks, flat, out64)
+    """One widening (MatrixWidening's arguments), checked and launched."""
+    MatrixWidening(block, meta, code, n_out, n_in, out).launch(stream)
 
 
 def dequant_matrix_reference(q: np.ndarray, scale: np.ndarray, code: int) -> np.ndarray:

@@ -144,6 +144,30 @@ def test_bad_prefetch_arguments_are_one_line():
         l2_prefetch.launch_prefetch(buffer, cuda.to_device(np.zeros((1, 2), np.int32)))
 
 
+def test_the_model_builds_its_warmer_only_once_the_option_is_on(monkeypatch):
+    """Off (the default) the model builds no warmer: no tables uploaded, no layout checked at load; turned on, one
+    warmer, built before the passes that use it and kept when the option goes off and on again."""
+    from expert_service.cuda.model import CudaModel
+    from expert_service.engine.cuda_options import CudaOptions
+
+    made = []
+    monkeypatch.setattr(l2_warm.L2Warmer, "make", lambda *a: made.append(a) or object())
+    model = CudaModel.__new__(CudaModel)
+    model.config, model.weights, model.stream = "config", "weights", "stream"
+    model.moe, model.attention_8bit = type("Moe", (), {})(), None
+    model.warm, model._warm_built = None, False
+    model._build_warmer(CudaOptions())
+    model.use_options(CudaOptions())
+    assert model.warm is None and not made
+    model.use_options(CudaOptions(l2_prefetch=True))
+    warmer = model.warm
+    assert made == [("config", "weights", "stream")] and warmer is not None and model._warm(True) is warmer
+    model.use_options(CudaOptions())
+    assert model._warm(True) is None
+    model.use_options(CudaOptions(l2_prefetch=True))
+    assert model.warm is warmer and len(made) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family,attention,experts", MODELS)
 def test_decode_with_prefetches_is_decode_without_them(tmp_path, monkeypatch, family, attention, experts):
@@ -173,8 +197,13 @@ def test_decode_with_prefetches_is_decode_without_them(tmp_path, monkeypatch, fa
         engine.decoder.close()
         return out
 
+    made = []
+    real_make = l2_warm.L2Warmer.make
+    monkeypatch.setattr(l2_warm.L2Warmer, "make", lambda *a: made.append(1) or real_make(*a))
     plain = run(CudaOptions())
+    assert not made  # off: no warmer built, nothing uploaded or checked
     warmed = run(CudaOptions(l2_prefetch=True))
+    assert made == [1]
     for step, ((ta, la), (tb, lb)) in enumerate(zip(plain, warmed)):
         assert ta == tb and np.array_equal(la, lb), f"step {step}"
     launches = []

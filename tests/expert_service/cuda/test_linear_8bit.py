@@ -169,6 +169,36 @@ def test_steps_from_the_dense_threshold_widen_the_matrix_for_cublas(code, accumu
     assert not rows.on_dense and rows.on_mma
 
 
+def test_each_matrix_is_widened_from_its_own_block_with_views_made_once(monkeypatch):
+    """Two matrices of one shape through one scratch, in turn: each step widens the step's own matrix (a stale
+    widening would multiply by the other's), and each matrix's checked launch is made on its first widened step only."""
+    import expert_service.cuda.linear_8bit as linear_8bit
+
+    made = []
+
+    class Counted(linear_8bit.MatrixWidening):
+        def __init__(self, *args):
+            made.append(args[0])
+            super().__init__(*args)
+
+    monkeypatch.setattr(linear_8bit, "MatrixWidening", Counted)
+    rng = np.random.default_rng(7)
+    V, D = 48, 32
+    parts = [matrix_block(rng, code, V, D) for code in (q.CODE_INT8, q.CODE_FP8)]
+    matrices = [
+        device_matrix(block, meta, code, V, D) for (block, meta, _, _), code in zip(parts, (q.CODE_INT8, q.CODE_FP8))
+    ]
+    rows = dense_rows(MAX_ROWS, D, V * D, HostCublas(), cuda.default_stream())
+    rows.use_dense_rows(1)
+    for i in (0, 1, 0, 1):
+        x = rng.standard_normal((MAX_ROWS, D)).astype(np.float32)
+        out = cuda.to_device(np.full((MAX_ROWS, V), np.nan, np.float32))
+        run(rows, matrices[i], x, out, False)
+        _, _, codes, scale = parts[i]
+        check_dense(out.copy_to_host(), x, codes, scale, matrices[i].code)
+    assert made == [matrices[0].block, matrices[1].block]
+
+
 def test_without_a_scratch_or_cublas_no_step_widens():
     rows = EightBitRows(MAX_ROWS, 32, True, cuda.default_stream(), widen_elements=64)  # no DeviceLinear
     rows.use_dense_rows(1)
