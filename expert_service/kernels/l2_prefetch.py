@@ -55,9 +55,13 @@ _prefetch = cached_jit(_prefetch_kernel)
 
 
 def _flat_bytes(name: str, array):
-    """A C-contiguous device array as flat uint8 (the same memory)."""
+    """A C-contiguous, 16-byte aligned device array as flat uint8 (the same memory): the ranges are checked as
+    offsets from its start, and the bulk prefetch faults on an address that is not a multiple of 16."""
     if not array.is_c_contiguous():
         raise ValueError(f"{name} must be C-contiguous")
+    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__  # simulator: numpy's
+    if (address := int(interface["data"][0])) % 16:
+        raise ValueError(f"{name} starts at {address:#x}, not a multiple of 16 bytes (a view into an allocation?)")
     flat = array.reshape(array.size)
     return flat if np.dtype(flat.dtype) == np.uint8 else flat.view(np.uint8)
 

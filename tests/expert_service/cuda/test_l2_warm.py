@@ -142,6 +142,10 @@ def test_bad_prefetch_arguments_are_one_line():
         l2_prefetch.launch_prefetch(buffer, table, experts=experts, ids=cuda.to_device(np.zeros(2, np.int64)), hi=64)
     with pytest.raises(ValueError, match="^ranges"):
         l2_prefetch.launch_prefetch(buffer, cuda.to_device(np.zeros((1, 2), np.int32)))
+    with pytest.raises(ValueError, match=r"^buffer starts at 0x[0-9a-f]+, not a multiple of 16 bytes"):
+        l2_prefetch.launch_prefetch(buffer[8:], table)  # offsets checked from a start the prefetch cannot take
+    with pytest.raises(ValueError, match=r"^experts starts at 0x[0-9a-f]+, not a multiple of 16 bytes"):
+        l2_prefetch.launch_prefetch(buffer, table, experts=buffer[4:132].reshape(2, 64), ids=ids, hi=64)
 
 
 def test_the_model_builds_its_warmer_only_once_the_option_is_on(monkeypatch):
