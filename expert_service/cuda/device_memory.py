@@ -28,7 +28,7 @@ from common.errors import ColibriError, ConfigError
 from common.model_config import ModelConfig
 from common.model_format import ModelDir
 from common.model_manifest import DENSE_FILE
-from expert_service.cuda.attention_8bit import DeviceAttention8Bit
+from expert_service.cuda.attention_8bit import DeviceAttention8Bit, widens
 from expert_service.cuda.cublas import CublasError
 from expert_service.cuda.linear_8bit import EightBitRows, takes_mma
 from expert_service.cuda.moe_cached import dense_scratch_needed
@@ -212,8 +212,10 @@ def plan_device_memory(
     sampling = DevicePenalties.planned_nbytes(S, V, S, T) + DeviceMasks.planned_nbytes(S, V)
     if (head := model.head_format) is not None:
         sampling += EightBitRows.planned_nbytes(S, cfg.hidden_size, takes_mma(V, head.nbytes))
+    widening = False  # 8-bit attention widened for cuBLAS: a scratch the remedy names
     if model.attention_format is not None:
         dense_rows = config.cuda_options.attention_8bit_dense_rows
+        widening = widens(dense_rows, T)
         sampling += DeviceAttention8Bit.planned_nbytes(cfg.hidden_size, cfg.q_size, T, facts.dtype, dense_rows)
     if cached:
         experts = slot_plan.slots_per_layer * slot_plan.slot_row_bytes + plan_table_bytes
@@ -235,7 +237,8 @@ def plan_device_memory(
             "workspace",
             workspace.nbytes + sampling,
             f"max_batch_tokens {T}, max_batch_size {S}",
-            "lower max_batch_tokens / max_batch_size",
+            "lower max_batch_tokens / max_batch_size"
+            + (" (or cuda_options attention_8bit_dense_rows 0: no widening scratch)" if widening else ""),
         ),
     )
     return DevicePlan(items, memory, workspace, facts)

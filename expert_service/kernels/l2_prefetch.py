@@ -81,8 +81,8 @@ def check_ranges(ranges, buffer_bytes: int) -> np.ndarray:
 
 def launch_prefetch(buffer, ranges, experts=None, ids=None, lo: int = 0, hi: int = 0, stream=0) -> None:
     """Prefetch into L2 the `ranges` [n, 2] int64 device table (check_ranges; a row [0, 0] prefetches nothing) of
-    `buffer` (any C-contiguous device array, taken as its bytes), and, given `experts` (device [E, stride] of any
-    dtype, a row a block), bytes [lo, hi) (multiples of 16) of the blocks that `ids` (int32 device array of any
+    `buffer` (any C-contiguous device array starting on a 16-byte boundary, taken as its bytes), and, given `experts`
+    (device [E, stride] of any dtype, a row a block, also 16-byte aligned), bytes [lo, hi) (multiples of 16) of the blocks that `ids` (int32 device array of any
     shape, read on the device; ids outside [0, E) skipped) names. One launch of one warp; nothing allocated, so
     a graph capture may hold it."""
     flat = _flat_bytes("buffer", buffer)

@@ -356,7 +356,11 @@ def test_8bit_attentions_device_buffers_are_planned_with_the_workspace(tmp_path)
 
     def workspace(model: ModelDir) -> int:
         plan = plan_device_memory(model, config, plan_slots(model, 0, 0), H100)
-        return {item.name: item.nbytes for item in plan.items}["workspace"]
+        item = {item.name: item for item in plan.items}["workspace"]
+        # the remedy names the widening scratch where there is one
+        scratch = model is eight_bit and 0 < config.cuda_options.attention_8bit_dense_rows <= 200
+        assert ("attention_8bit_dense_rows 0" in item.remedy) == scratch, item.remedy
+        return item.nbytes
 
     dense_rows = 32  # widens steps of this engine
     config = dataclasses.replace(config, cuda_options=CudaOptions(attention_8bit_dense_rows=dense_rows))
