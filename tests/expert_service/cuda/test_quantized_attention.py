@@ -13,13 +13,14 @@ import pytest
 from common.model_format import ModelDir
 from expert_service.backends import build_engine
 from expert_service.engine.config import EngineConfig
+from expert_service.engine.engine import PrefillInput
+from expert_service.engine.sampling import SamplingParams
 from expert_service.tools.convert import convert
-from tests.expert_service.cuda.test_decoder import ROUTER_TIE, ForcedRouting, last_step_expert_ids
+from tests.expert_service.cuda.test_decoder import ROUTER_TIE, ForcedRouting, assert_greedy_close, last_step_expert_ids
 from tests.expert_service.cuda.test_quantized import (
     CFG,
     EXACT_ACTIVATIONS,
     TOLERANCE,
-    check_batched_decode,
     check_greedy_tokens,
 )
 from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
@@ -73,10 +74,39 @@ def test_greedy_tokens_match_cpu(engines):
     check_greedy_tokens(engines, (1, 3, 6, 70), seed=40)  # one row, a token tile, past it, many tiles
 
 
-def test_batched_decode_logits_close_to_cpu(engines):
+def test_batched_decode_logits_close_to_cpu(engines, monkeypatch):
     prompts = [random_prompt(70 + i, n) for i, n in enumerate((3, 9, 40, 80, 5, 17))]  # 6 rows: past one token tile
-    check_batched_decode(engines, prompts, first_id=400, steps=4)
-    check_batched_decode(engines, prompts[:3], first_id=410, steps=3)  # 3 rows: one token tile
+    forced = ForcedRouting(monkeypatch)
+    check_batched_decode_routed(engines, forced, prompts, first_id=400, steps=4)
+    check_batched_decode_routed(engines, forced, prompts[:3], first_id=410, steps=3)  # 3 rows: one token tile
+    assert forced.worst_tie <= ROUTER_TIE, (
+        f"{engines[0]}: GPU routing departs from the CPU's top-k by {forced.worst_tie}"
+    )
+
+
+def check_batched_decode_routed(engines, forced: ForcedRouting, prompts, first_id: int, steps: int) -> None:
+    """Each GPU engine prefills `prompts` in one step and decodes them together `steps` times; the cpu backend then
+    runs the same steps fed the GPU's tokens and routing (the trace's expert ids): each step's logits within the
+    bf16 tolerance, and the GPU's greedy tokens the cpu's argmax up to it."""
+    name, cpu, gpus = engines
+    rids = [first_id + i for i in range(len(prompts))]
+    prefill = [PrefillInput(r, np.array(p), SamplingParams(), True) for r, p in zip(rids, prompts)]
+    for mode, gpu in gpus.items():
+        runs = []
+        for n in range(steps + 1):
+            step = gpu.step(prefill) if n == 0 else gpu.step(decode_ids=rids)
+            runs.append(([o.token_id for o in step.outputs], np.stack(list(step.logits)), step.trace))
+        gpu.clear()
+        inputs = prefill
+        for i, (tokens, logits, trace) in enumerate(runs):
+            forced.queue = [trace.expert_ids[layer] for layer in gpu.decoder.moe_layers]
+            ref = np.stack(list(cpu.step(inputs).logits))
+            assert not forced.queue and np.isfinite(logits).all()
+            err = rel_error(logits, ref)
+            assert err <= TOLERANCE, f"{name} {mode} step {i}: {err:.2e}"
+            assert_greedy_close(tokens, ref, f"{name} {mode} step {i}")
+            inputs = [PrefillInput(r, np.array([t]), None, True) for r, t in zip(rids, tokens)]  # the GPU's tokens
+        cpu.clear()
 
 
 def test_prompt_logits_close_to_cpu(engines, monkeypatch):
