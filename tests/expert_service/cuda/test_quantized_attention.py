@@ -2,8 +2,8 @@
 CudaOptions.attention_8bit_dense_rows tokens each projection widened for cuBLAS; o_proj adding into the residual on
 each) against the cpu backend on the same converted model (GPU only): int8 and fp8, every family (Qwen2-MoE's q/k/v
 biases, OLMoE's full-width q/k norms, Qwen3-MoE's per-head ones), beside 8-bit experts and an 8-bit head; greedy tokens
-equal, logits of batched decode and of prompts (the cpu routed as the GPU did) within the bf16 tolerance, graphs and eager, q|k|v fused at one token
-and not, large steps widened and on the 8-bit GEMM."""
+equal, logits of batched decode and of prompts (the cpu routed as the GPU did) within the bf16 tolerance, graphs
+and eager, q|k|v fused at one token and not, large steps widened and on the 8-bit GEMM."""
 
 import dataclasses
 
