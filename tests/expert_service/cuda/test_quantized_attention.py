@@ -139,8 +139,9 @@ APART = [
 @pytest.mark.parametrize("variant", APART, ids=lambda p: "-".join(str(v) for v in p))
 def test_8bit_projections_add_little_to_the_gpus_distance_from_the_cpu(tmp_path, monkeypatch, variant):
     """The same checkpoint converted twice, projections 8-bit and dense: on each, the cuda engine's prompt logits
-    against the cpu backend's. What the 8-bit path adds to the GPU's distance from the exact reference (its bf16 rounding
-    of the rows past 4, as cuBLAS rounds the dense path's) stays within the bf16 tolerance; a larger distance that the
+    against the cpu backend's (routed as the GPU did). What the 8-bit path adds to the GPU's distance from the exact
+    reference (its bf16 rounding of the rows past 4, as cuBLAS rounds the dense path's) stays within the bf16
+    tolerance; a larger distance that the
     dense projections share is the rest of the GPU path's, not theirs."""
     family, attention, experts, head = variant
     write_head_checkpoint(tmp_path / "hf", head_config(family, tied=family == "qwen3_moe"), seed=17)
