@@ -141,8 +141,7 @@ def test_8bit_projections_add_little_to_the_gpus_distance_from_the_cpu(tmp_path,
     """The same checkpoint converted twice, projections 8-bit and dense: on each, the cuda engine's prompt logits
     against the cpu backend's (routed as the GPU did). What the 8-bit path adds to the GPU's distance from the exact
     reference (its bf16 rounding of the rows past 4, as cuBLAS rounds the dense path's) stays within the bf16
-    tolerance; a larger distance that the
-    dense projections share is the rest of the GPU path's, not theirs."""
+    tolerance; a larger distance that the dense projections share is the rest of the GPU path's, not theirs."""
     family, attention, experts, head = variant
     write_head_checkpoint(tmp_path / "hf", head_config(family, tied=family == "qwen3_moe"), seed=17)
     forced = ForcedRouting(monkeypatch)
