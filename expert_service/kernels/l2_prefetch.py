@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda, types
 
 from expert_service.kernels.jit_cache import cached_jit
-from expert_service.kernels.numeric import SIMULATOR, WARP, check_array
+from expert_service.kernels.numeric import SIMULATOR, WARP, check_array, device_pointer
 from expert_service.kernels.ptx import prefetch_l2_bulk
 
 PIECE = 1 << 16  # bytes one bulk prefetch asks for: 256 of them cover a 16 MB matrix, 8 a lane
@@ -59,8 +59,7 @@ def _flat_bytes(name: str, array):
     offsets from its start, and the bulk prefetch faults on an address that is not a multiple of 16."""
     if not array.is_c_contiguous():
         raise ValueError(f"{name} must be C-contiguous")
-    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__  # simulator: numpy's
-    if (address := int(interface["data"][0])) % 16:
+    if (address := device_pointer(array)) % 16:
         raise ValueError(f"{name} starts at {address:#x}, not a multiple of 16 bytes (a view into an allocation?)")
     flat = array.reshape(array.size)
     return flat if np.dtype(flat.dtype) == np.uint8 else flat.view(np.uint8)
@@ -81,10 +80,10 @@ def check_ranges(ranges, buffer_bytes: int) -> np.ndarray:
 
 def launch_prefetch(buffer, ranges, experts=None, ids=None, lo: int = 0, hi: int = 0, stream=0) -> None:
     """Prefetch into L2 the `ranges` [n, 2] int64 device table (check_ranges; a row [0, 0] prefetches nothing) of
-    `buffer` (any C-contiguous device array starting on a 16-byte boundary, taken as its bytes), and, given `experts`
-    (device [E, stride] of any dtype, a row a block, also 16-byte aligned), bytes [lo, hi) (multiples of 16) of the blocks that `ids` (int32 device array of any
-    shape, read on the device; ids outside [0, E) skipped) names. One launch of one warp; nothing allocated, so
-    a graph capture may hold it."""
+    `buffer` (any C-contiguous device array starting on a 16-byte boundary, taken as its bytes), and, given
+    `experts` (device [E, stride] of any dtype, a row a block, also 16-byte aligned), bytes [lo, hi) (multiples of
+    16) of the blocks that `ids` (int32 device array of any shape, read on the device; ids outside [0, E) skipped)
+    names. One launch of one warp; nothing allocated, so a graph capture may hold it."""
     flat = _flat_bytes("buffer", buffer)
     check_array("ranges", ranges, (ranges.shape[0], 2), np.int64)
     if experts is None:

@@ -18,15 +18,18 @@ FULL_MASK = 0xFFFFFFFF
 SPREAD_TARGET_BLOCKS = 528   # small steps spread a row over blocks until the grid has about this many (4 per SM)
 
 
+def device_pointer(a) -> int:
+    """Where a (device or simulator) array starts: its device address, or under the simulator its host one (0 for
+    an empty array)."""
+    pointer = a.device_ctypes_pointer.value if hasattr(a, "device_ctypes_pointer") else a.ctypes.data
+    return pointer or 0
+
+
 def aligned_to(nbytes: int, *arrays) -> bool:
     """Every (device or simulator) array starts on an nbytes boundary: e.g. 8, a uint64 view of it may be loaded
     and stored (the wide paths of the 16-bit casts; a view sliced at an odd offset falls back to their scalar
     path); 16, the grouped GEMM's 16-byte copies."""
-    for a in arrays:
-        pointer = a.device_ctypes_pointer.value if hasattr(a, "device_ctypes_pointer") else a.ctypes.data
-        if (pointer or 0) % nbytes:
-            return False
-    return True
+    return all(device_pointer(a) % nbytes == 0 for a in arrays)
 
 
 def check_array(name: str, a, shape, dtype) -> None:

@@ -183,6 +183,27 @@ class ForcedRouting:
             weights = weights / weights.sum(axis=1, keepdims=True)
         return ids, weights.astype(np.float32)
 
+    def assert_only_ties(self, name: str) -> None:
+        """The GPU left the CPU's own top-k only where its logits were within ROUTER_TIE of the K-th."""
+        assert self.worst_tie <= ROUTER_TIE, f"{name}: GPU routing departs from the CPU's top-k by {self.worst_tie}"
+
+
+def replay_on_cpu(cpu, forced: ForcedRouting, runs, prefill, rids, moe_layers, name: str) -> None:
+    """The CPU reference runs a GPU's steps `runs` [(tokens, logits [R, V], trace)] again, fed their routing (the
+    trace's expert ids) and, after `prefill`, the GPU's tokens: each step's logits within BF16_TOLERANCE, the GPU's
+    greedy tokens the CPU's argmax up to it; the CPU is cleared after."""
+    inputs = prefill
+    for i, (tokens, logits, trace) in enumerate(runs):
+        forced.queue = [trace.expert_ids[layer] for layer in moe_layers]
+        ref = cpu.step(inputs)
+        assert not forced.queue
+        ref_rows = np.stack(list(ref.logits))
+        err = rel_error(logits, ref_rows)
+        assert err <= BF16_TOLERANCE, f"{name} step {i}: {err:.2e}"
+        assert_greedy_close(tokens, ref_rows, f"{name} step {i}")
+        inputs = [PrefillInput(r, np.array([t]), None, True) for r, t in zip(rids, tokens)]  # GPU's tokens
+    cpu.clear()
+
 
 def last_step_expert_ids(engine, T):
     """[MoE layers] of [T, K]: the top-k ids the GPU's last forward left in its workspace (layer-major, each
@@ -224,7 +245,7 @@ def test_many_experts_prefill_close_to_cpu(many, monkeypatch):
         err = rel_error(logits, ref)
         assert err <= BF16_TOLERANCE, f"{name}: prefill {n}: {err:.2e}"
         assert_greedy_close(logits.argmax(axis=1), ref, f"{name}: prefill {n}")
-    assert forced.worst_tie <= ROUTER_TIE, f"{name}: GPU routing departs from the CPU's top-k by {forced.worst_tie}"
+    forced.assert_only_ties(name)
 
 
 def test_many_experts_batched_decode(many, monkeypatch):
@@ -247,19 +268,9 @@ def test_many_experts_batched_decode(many, monkeypatch):
             engine.clear()
         for (ta, la, _), (tb, lb, _) in zip(runs[gpu], runs[eager]):
             assert ta == tb and np.array_equal(la, lb), f"{name}: batch {batch}: graph replay != eager"
-        cpu_inputs = prefill
-        for i, (tokens, logits, trace) in enumerate(runs[gpu]):
-            forced.queue = [trace.expert_ids[layer] for layer in moe_layers]
-            ref = cpu.step(cpu_inputs)
-            assert not forced.queue
-            ref_rows = np.stack(list(ref.logits))
-            err = rel_error(logits, ref_rows)
-            assert err <= BF16_TOLERANCE, f"{name}: batch {batch} step {i}: {err:.2e}"
-            assert_greedy_close(tokens, ref_rows, f"{name}: batch {batch} step {i}")
-            cpu_inputs = [PrefillInput(r, np.array([t]), None, True) for r, t in zip(rids, tokens)]  # GPU's tokens
-        cpu.clear()
+        replay_on_cpu(cpu, forced, runs[gpu], prefill, rids, moe_layers, f"{name}: batch {batch}")
     assert {1, 2, 8, 16} <= set(gpu.decoder.graphs), f"{name}: decode steps did not use CUDA graphs"
-    assert forced.worst_tie <= ROUTER_TIE, f"{name}: GPU routing departs from the CPU's top-k by {forced.worst_tie}"
+    forced.assert_only_ties(name)
 
 
 def test_many_experts_no_device_allocations(many, monkeypatch):
@@ -385,7 +396,7 @@ def check_wgmma_prefills(model, monkeypatch, on, off, cases, seed: int, before_s
     assert len(launches) == before, f"{off} still launched the wgmma kernel"
     forced.queue = last_step_expert_ids(gpu, n)
     assert rel_error(without, cpu.prompt_logits(ids)) <= BF16_TOLERANCE
-    assert forced.worst_tie <= ROUTER_TIE
+    forced.assert_only_ties("wgmma prefill")
     gpu.decoder.close()
 
 
