@@ -172,6 +172,8 @@ def layout_workspace(
         "moe_out": ((max(T * K, per_expert_rows), D), f32),
         "split_out": ((split_rows, config.num_attention_heads, config.head_dim), f32),
         "split_ml": ((split_rows, config.num_attention_heads, 2), f32),
+        # attention_decode_tiled's tickets when it merges its parts itself, one per (sequence, query head) at most
+        "attention_tickets": ((S * config.num_attention_heads,), i32),
         "last_hidden": ((S, D), f32),
         "logits": ((S, config.vocab_size), f32),
         "greedy_ids": ((S,), i32),

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 # Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
 # Every other switch defaults to the shipped path.
 EXPERIMENTAL: frozenset[str] = frozenset(
-    {"decode_splits_per_step", "q8_decode_activations", "shared_prefix_attention", "l2_prefetch"}
+    {
+        "decode_splits_per_step",
+        "q8_decode_activations",
+        "shared_prefix_attention",
+        "l2_prefetch",
+        "fused_attention_merge",
+    }
 )
 
 
@@ -34,6 +40,10 @@ class CudaOptions:
     # decode attention on attention_decode_tiled where it applies (bf16 pools, head size 64/128; 1.2-4.2x faster
     # on the H200, docs/kernels.md) (False: attention_decode everywhere)
     tiled_decode_attention: bool = True
+    # EXPERIMENTAL (until measured): split decode steps on attention_decode_tiled merge their split-K parts in the attention kernel: the last part
+    # of a (sequence, head group) to finish merges them all (a ticket), the same bits as the reduce launch it
+    # replaces (False: a reduce launch after every split attention)
+    fused_attention_merge: bool = False
     # decode steps of 2+ sequences on tensor cores, attention_decode_mma, where it applies (bf16 pools, head size
     # 16/32/64/128, at most 16 query heads per kv head); elsewhere tiled_decode_attention decides
     mma_decode_attention: bool = True
