@@ -163,6 +163,7 @@ def layout_workspace(
         "topk_ids": ((max(num_layers_moe, 1), T, K), i32),
         "topk_weights": ((T, K), f32),
         "router_counter": ((max(1, min(T, FUSED_ROUTER_MAX_TOKENS)),), i32),  # gate_fused's tickets (zeroed)
+        "combine_tickets": ((T,), i32),  # moe_combine's when it writes the next layer's norm (zeroed)
         "identity_position": ((T * K,), i32),  # y rows in assignment order (gemv and grouped-MMA combine)
         "counts": ((E,), i32),
         "offsets": ((E + 1,), i32),

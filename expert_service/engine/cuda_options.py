@@ -20,6 +20,7 @@ EXPERIMENTAL: frozenset[str] = frozenset(
         "shared_prefix_attention",
         "l2_prefetch",
         "fused_attention_merge",
+        "ticketed_combine_norm",
     }
 )
 
@@ -68,6 +69,10 @@ class CudaOptions:
     # a MoE layer's combine also writes the next layer's input RMSNorm, moe_combine_rmsnorm, where cuda/moe.py
     # finds it pays (FUSED_COMBINE_NORM_MIN_TOKENS) (False: rmsnorm at the next layer's start)
     fused_combine_norm: bool = True
+    # EXPERIMENTAL (until measured): with fused_combine_norm, steps below cuda/moe.py's FUSED_COMBINE_NORM_MIN_TOKENS
+    # fuse it too: moe_combine's blocks a token take tickets and the last normalises the row (rmsnorm's bits)
+    # (False: rmsnorm at the next layer's start of those steps)
+    ticketed_combine_norm: bool = False
     # steps of up to moe_strategy.FUSED_ROUTER_MAX_TOKENS route with gate_fused: router GEMV, softmax, top-k and
     # normalisation in one launch (False: DeviceLinear + gate_topk at every size)
     fused_router: bool = True

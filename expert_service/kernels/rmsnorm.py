@@ -38,14 +38,14 @@ WARP_KERNEL_MIN_ROWS = 0 if SIMULATOR else 1024
 
 
 @functools.cache
-def _build(weight_dtype, per_thread: int):
-    """The block-per-row kernels for rows of at most per_thread * blockDim.x elements."""
+def row_norm(weight_dtype, per_thread: int):
+    """Device function `norm_row(x, r, weight, eps, out)`: out[r] = rmsnorm(x[r]) by the whole block, thread j
+    holding elements j, j + blockDim.x, ... (rows of at most per_thread * blockDim.x elements): the block kernel's
+    body, so every kernel that calls it gives rmsnorm's bits."""
     widen = widener(weight_dtype)
 
-    def rmsnorm_kernel(x, weight, eps, out):
-        """x: [R, N] float32. weight: [N] W. eps: float32. out: [R, N] float32 (may alias x).
-        Grid (R,), block (threads,) with N <= per_thread * threads."""
-        r = cuda.blockIdx.x
+    @cuda.jit(device=True, inline=True)
+    def norm_row(x, r, weight, eps, out):
         n = x.shape[1]
         v = cuda.local.array(per_thread, np.float32)
         w = cuda.local.array(per_thread, np.float32)
@@ -61,6 +61,20 @@ def _build(weight_dtype, per_thread: int):
             i = cuda.threadIdx.x + j * cuda.blockDim.x
             if i < n:
                 out[r, i] = (v[j] / denom) * w[j]
+
+    return norm_row
+
+
+@functools.cache
+def _build(weight_dtype, per_thread: int):
+    """The block-per-row kernels for rows of at most per_thread * blockDim.x elements."""
+    widen = widener(weight_dtype)
+    norm_row = row_norm(weight_dtype, per_thread)
+
+    def rmsnorm_kernel(x, weight, eps, out):
+        """x: [R, N] float32. weight: [N] W. eps: float32. out: [R, N] float32 (may alias x).
+        Grid (R,), block (threads,) with N <= per_thread * threads."""
+        norm_row(x, cuda.blockIdx.x, weight, eps, out)
 
     def add_rmsnorm_kernel(residual, delta, weight, eps, out):
         """residual: [R, N] float32, updated in place (+= delta). delta: [R, N] float32. weight: [N] W.

@@ -48,6 +48,60 @@ def test_combine_spread_over_blocks_gives_the_same_bits(monkeypatch):
     assert not np.array_equal(got, hidden) and np.array_equal(got, single.copy_to_host())
 
 
+@pytest.mark.parametrize(
+    "n_tok,top_k,D,norm_dtype", [(1, 8, 200, np.uint16), (3, 2, 130, np.float32), (5, 4, 64, np.float16)]
+)
+def test_combine_with_the_next_norm_gives_combine_then_rmsnorm_bits(n_tok, top_k, D, norm_dtype):
+    """The last of a token's blocks normalises the row: h and out equal moe_combine then rmsnorm (the same thread
+    count) bit for bit, the tickets are zero again after every launch (a graph replays it), a second launch too."""
+    import expert_service.kernels.moe_combine as module
+    from expert_service.kernels import numeric
+    from expert_service.kernels.rmsnorm import launch_rmsnorm
+
+    rng = np.random.default_rng()
+    y = cuda.to_device(rng.standard_normal((n_tok * top_k, D)).astype(np.float32))
+    position = cuda.to_device(rng.permutation(n_tok * top_k).astype(np.int32))
+    weights = cuda.to_device(rng.random((n_tok, top_k)).astype(np.float32))
+    norm_weight = (rng.standard_normal(D) + 1).astype(np.float32)
+    if norm_dtype == np.uint16:
+        norm_weight = (norm_weight.view(np.uint32) >> 16).astype(np.uint16)
+    norm_weight = cuda.to_device(norm_weight.astype(norm_dtype) if norm_dtype != np.uint16 else norm_weight)
+    hidden = rng.standard_normal((n_tok, D)).astype(np.float32)
+    tickets = cuda.to_device(np.zeros(n_tok + 2, np.int32))
+    assert numeric.blocks_per_row(n_tok, D, module.THREADS) > 1 or D <= module.THREADS
+    want_h, want_x = cuda.to_device(hidden), cuda.to_device(np.full((n_tok, D), np.nan, np.float32))
+    launch_moe_combine(y, position, weights, want_h)
+    launch_rmsnorm(want_h, norm_weight, 1e-6, want_x, threads=module.THREADS)
+    h = cuda.to_device(hidden)
+    for launch in range(2):
+        out = cuda.to_device(np.full((n_tok, D), np.nan, np.float32))
+        launch_moe_combine(y, position, weights, h, norm=(norm_weight, 1e-6, out, tickets))
+        if launch == 0:
+            assert np.array_equal(h.copy_to_host(), want_h.copy_to_host())
+            assert np.array_equal(out.copy_to_host(), want_x.copy_to_host())
+        else:  # the second launch added the experts again: its norm is of that row
+            again = cuda.to_device(np.full((n_tok, D), np.nan, np.float32))
+            launch_rmsnorm(h, norm_weight, 1e-6, again, threads=module.THREADS)
+            assert np.array_equal(out.copy_to_host(), again.copy_to_host())
+        assert not tickets.copy_to_host().any()
+
+
+def test_combine_with_the_next_norm_refuses_bad_arguments():
+    rng = np.random.default_rng(3)
+    y = cuda.to_device(rng.standard_normal((4, 64)).astype(np.float32))
+    position = cuda.to_device(np.arange(4, dtype=np.int32))
+    weights = cuda.to_device(rng.random((2, 2)).astype(np.float32))
+    h, out = cuda.to_device(np.zeros((2, 64), np.float32)), cuda.to_device(np.zeros((2, 64), np.float32))
+    norm_weight = cuda.to_device(np.ones(64, np.float32))
+    with pytest.raises(ValueError, match=r"^tickets must be C-contiguous int32 \[2\], got int32 \[1\]$"):
+        launch_moe_combine(
+            y, position, weights, h, norm=(norm_weight, 1e-6, out, cuda.to_device(np.zeros(1, np.int32)))
+        )
+    with pytest.raises(ValueError, match=r"^norm_weight must be C-contiguous float32 \[64\], got float32 \[32\]$"):
+        short = cuda.to_device(np.ones(32, np.float32))
+        launch_moe_combine(y, position, weights, h, norm=(short, 1e-6, out, cuda.to_device(np.zeros(2, np.int32))))
+
+
 def run_pipeline(x, router, top_k, normalize, W, F, D):
     """Device MoE layer on x [T, D]; router logits come from the host (the gate GEMM is another kernel)."""
     n_tok, n_exp = x.shape[0], router.shape[0]
