@@ -94,10 +94,11 @@ def shared_split_count(config: ModelConfig, num_seqs: int, members: int) -> int:
 
 def shared_split_views(ws, config: ModelConfig, num_seqs: int, splits: int):
     """(shared_out [S, H, PS, Hd], shared_ml [S, H, PS, 2]): the shared prefixes' partials of a decode step of S
-    sequences in PS = splits parts, views of the workspace's shared_out / shared_ml (laid out for every S)."""
+    sequences in PS = splits parts, views of the workspace's prefix_part_out / prefix_part_ml (laid out for every S;
+    not shared_out, the shared expert's output)."""
     S, H, P = num_seqs, config.num_attention_heads, splits
-    out = ws.shared_out.reshape(-1)[: S * H * P * config.head_dim].reshape(S, H, P, config.head_dim)
-    return out, ws.shared_ml.reshape(-1)[: S * H * P * 2].reshape(S, H, P, 2)
+    out = ws.prefix_part_out.reshape(-1)[: S * H * P * config.head_dim].reshape(S, H, P, config.head_dim)
+    return out, ws.prefix_part_ml.reshape(-1)[: S * H * P * 2].reshape(S, H, P, 2)
 
 
 def layout_workspace(
@@ -232,8 +233,8 @@ def layout_workspace(
         layout["cast"] = ((max(dense_rows, cache_rows * widest, E * all_experts_tokens * F),), weight_dtype)
     if shared_members:  # the step's groups (staged with its metadata) and their prefixes' partials
         shared_rows = max(s * shared_split_count(config, s, shared_members) for s in range(1, S + 1))
-        layout["shared_out"] = ((shared_rows, config.num_attention_heads, config.head_dim), f32)
-        layout["shared_ml"] = ((shared_rows, config.num_attention_heads, 2), f32)
+        layout["prefix_part_out"] = ((shared_rows, config.num_attention_heads, config.head_dim), f32)
+        layout["prefix_part_ml"] = ((shared_rows, config.num_attention_heads, 2), f32)
         layout["share_starts"] = ((S + 1,), i32)
         layout["share_members"] = ((S + 1, shared_members), i32)
     if dense_ffn:

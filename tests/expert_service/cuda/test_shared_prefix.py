@@ -86,14 +86,21 @@ def test_the_workspace_holds_every_steps_groups_and_partials(S):
     H, Hd = config.num_attention_heads, config.head_dim
     plain = layout_workspace(config, np.dtype(np.uint16), 256, S, 16, len(config.moe_layers))
     layout = layout_workspace(config, np.dtype(np.uint16), 256, S, 16, len(config.moe_layers), shared_members=8)
-    assert set(layout) - set(plain) == {"shared_out", "shared_ml", *SHARE_METADATA}
+    assert set(layout) - set(plain) == {"prefix_part_out", "prefix_part_ml", *SHARE_METADATA}
     assert layout["share_starts"][0] == (S + 1,) and layout["share_members"][0] == (S + 1, 8)
-    rows = layout["shared_out"][0][0]
+    rows = layout["prefix_part_out"][0][0]
     assert rows == max(s * shared_split_count(config, s, 8) for s in range(1, S + 1))
-    ws = SimpleNamespace(shared_out=np.zeros((rows, H, Hd), np.float32), shared_ml=np.zeros((rows, H, 2), np.float32))
+    ws = SimpleNamespace(
+        prefix_part_out=np.zeros((rows, H, Hd), np.float32), prefix_part_ml=np.zeros((rows, H, 2), np.float32)
+    )
     for s in range(1, S + 1):
         out, ml = shared_split_views(ws, config, s, shared_split_count(config, s, 8))
         assert out.shape[:2] == ml.shape[:2] == (s, H) and out.base is not None
+    # a shared expert's output buffer is another one (qwen2-moe: both laid out, neither replacing the other)
+    qwen2 = config_from_hf({**tiny_hf_config("qwen2_moe"), "max_position_embeddings": 32768})
+    both = layout_workspace(qwen2, np.dtype(np.uint16), 256, S, 16, len(qwen2.moe_layers), shared_members=8)
+    assert both["shared_out"][0] == (256, qwen2.hidden_size)
+    assert both["prefix_part_out"][0][1:] == (qwen2.num_attention_heads, qwen2.head_dim)
     # the groups ride in the step's one metadata upload: packed before block_tables
     names = METADATA[:-1] + SHARE_METADATA + METADATA[-1:]
     offsets, _ = packed_layout({n: layout[n][0] for n in names})
