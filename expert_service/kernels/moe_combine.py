@@ -20,7 +20,7 @@ from numba import cuda, types
 
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, blocks_per_row
-from expert_service.kernels.rmsnorm import per_thread, row_norm
+from expert_service.kernels.rmsnorm import block_threads, per_thread, row_norm
 
 THREADS = 32 if SIMULATOR else 256    # the simulator pays per thread; the indexing is the same
 
@@ -84,8 +84,9 @@ def launch_moe_combine(y, position, weights, h, stream=0, norm=None) -> None:
     """y [T*K, D] f32, position [T*K] int32, weights [T, K] f32, h [T, D] f32 (all device; h updated in place).
     norm: (norm_weight [D] float32 / float16 / uint16 (bf16 bits), eps, out [T, D] f32, tickets [>= T] int32 all
     zero (a workspace buffer zeroed once: every launch leaves it zero)): out = rmsnorm(h after the add), written
-    in the same launch by the last of each token's blocks, the bits of `rmsnorm` over THREADS threads (the
-    decoder's at decode: moe_combine_rmsnorm's one block a token without its serial rounds of loads)."""
+    in the same launch by the last of each token's blocks, on rmsnorm's own thread count (`rmsnorm.block_threads`),
+    so the bits of `launch_rmsnorm` after the combine (moe_combine_rmsnorm's one block a token without its serial
+    rounds of loads)."""
     n_tok, top_k = weights.shape
     width = h.shape[1]
     expected = {"y": (n_tok * top_k, width), "position": (n_tok * top_k,), "weights": (n_tok, top_k),
@@ -105,12 +106,14 @@ def launch_moe_combine(y, position, weights, h, stream=0, norm=None) -> None:
                              f"got {a.dtype} {list(a.shape)}")
     if not n_tok:
         return
-    grid = (n_tok, blocks_per_row(n_tok, width, THREADS))
     if norm is None:
+        grid = (n_tok, blocks_per_row(n_tok, width, THREADS))
         _build(int(top_k))[1][grid, THREADS, stream](y, position, weights, h)
     else:
-        kernel = _build(int(top_k), np.dtype(norm_weight.dtype), per_thread(width, THREADS))[1]
-        kernel[grid, THREADS, stream](y, position, weights, h, norm_weight, np.float32(eps), out, tickets)
+        threads = block_threads(width)
+        grid = (n_tok, blocks_per_row(n_tok, width, threads))
+        kernel = _build(int(top_k), np.dtype(norm_weight.dtype), per_thread(width, threads))[1]
+        kernel[grid, threads, stream](y, position, weights, h, norm_weight, np.float32(eps), out, tickets)
 
 
 def sm90_signatures():

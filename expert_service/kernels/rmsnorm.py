@@ -103,6 +103,12 @@ def _build(weight_dtype, per_thread: int):
     return (rmsnorm_kernel, cached_jit(rmsnorm_kernel)), (add_rmsnorm_kernel, cached_jit(add_rmsnorm_kernel))
 
 
+def block_threads(n: int) -> int:
+    """Threads of the block-per-row kernel for rows of n elements when the caller names none: one per element up to
+    THREADS (kernels that reuse its body launch this many to give its bits)."""
+    return min(THREADS, -(-n // WARP) * WARP)
+
+
 def per_thread(n: int, threads: int) -> int:
     """Elements of an n-long row each of `threads` threads holds (the block kernels' compile-time count)."""
     return -(-n // threads)
@@ -170,7 +176,7 @@ def launch_rmsnorm(x, weight, eps, out, stream=0, threads=None) -> None:
         kernel = _build_short(np.dtype(weight.dtype), -(-n // WARP))[1]
         kernel[-(-rows // ROWS_PER_BLOCK), ROWS_PER_BLOCK * WARP, stream](x2, weight, eps, out2)
     else:
-        threads = threads or min(THREADS, -(-n // WARP) * WARP)
+        threads = threads or block_threads(n)
         _build(np.dtype(weight.dtype), per_thread(n, threads))[0][1][rows, threads, stream](x2, weight, eps, out2)
 
 

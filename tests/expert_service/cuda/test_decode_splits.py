@@ -91,6 +91,7 @@ def test_parts_merged_in_the_attention_kernel_give_the_reduce_launchs_bits(model
     eager = open_engine(model, cuda_graphs=False, cuda_options=merge)
     merged = decode(eager, PROMPTS[1])
     assert not reduces, "a reduce launch ran with the merge in the attention kernel"
+    assert not eager.decoder.ws.attention_tickets.copy_to_host().any()
     eager.decoder.set_options(CudaOptions(decode_splits_per_step=per_step))
     plain = decode(eager, PROMPTS[1])
     assert reduces, "the reduce launch did not run with the option off: the prompts take one part"

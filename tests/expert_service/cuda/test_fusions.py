@@ -152,6 +152,7 @@ def test_ticketed_combine_norm_fuses_small_steps_with_the_unfused_bits(model, mo
     )
     fused = run_steps(eager)
     assert sum(normed) >= DECODES, f"{name}: decode combines did not write the norm ({normed})"
+    assert not eager.decoder.ws.combine_tickets.copy_to_host().any(), name
     replayed = run_steps(open_engine(path, cuda_options=on))
     eager.decoder.set_options(CudaOptions())
     normed.clear()

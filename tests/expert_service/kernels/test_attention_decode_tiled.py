@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import cuda
 
 from expert_service.kernels.attention_decode_tiled import (
     launch_attention_decode_fastest,
@@ -48,8 +49,6 @@ def test_head_dim_128_group_4():
 
 
 def _merge_inputs(rng, context_lens, num_heads, num_kv_heads, head_dim, block_size, splits):
-    from numba import cuda
-
     from tests.helpers import random_cache
 
     need = sum(-(-c // block_size) for c in context_lens)
@@ -67,8 +66,6 @@ def test_merge_in_kernel_gives_the_reduce_launchs_bits(window):
     # parts of 1, 2, 3 and 4 per sequence (min_keys 16: 100 keys in 4, 40 in 3, 20 in 2, 9 in one) and an idle slot:
     # the last part to finish merges (tickets), in the reduce kernel's order, so the outputs match it bit for bit;
     # the tickets are zero again after every launch, so a second launch (a graph replay) merges again
-    from numba import cuda
-
     rng = np.random.default_rng(7 + window)
     lens, heads, kv_heads, hd, bs, splits = [100, 40, 20, 9, 0], 8, 2, 64, 8, 4
     arrays, parts = _merge_inputs(rng, lens, heads, kv_heads, hd, bs, splits)
@@ -98,8 +95,6 @@ def test_merge_in_kernel_gives_the_reduce_launchs_bits(window):
 
 
 def test_merge_in_kernel_refuses_a_short_ticket_buffer():
-    from numba import cuda
-
     arrays, parts = _merge_inputs(np.random.default_rng(8), [40, 30], 4, 1, 64, 8, 2)
     with pytest.raises(ValueError, match=r"tickets must be int32 \[>= 2\]"):
         launch_attention_decode_tiled(
@@ -130,3 +125,29 @@ def test_decode_tiled_gpu(num_seqs, num_kv_heads, max_ctx, window, splits):
     lens = [int(x) for x in rng.integers(1, max_ctx + 1, num_seqs)]
     lens[0] = max_ctx
     _check(rng, lens, 32, num_kv_heads, 128, 16, window, splits, launch_attention_decode_tiled, rtol=1e-4)
+    # the parts merged in the kernel (tickets): the same check
+    tickets = cuda.to_device(np.zeros(num_seqs * 32, np.int32))
+    _check(
+        rng, lens, 32, num_kv_heads, 128, 16, window, splits, launch_attention_decode_tiled, rtol=1e-4, tickets=tickets
+    )
+    assert not tickets.copy_to_host().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(128, 32, 4), (64, 8, 8)])
+def test_merge_in_kernel_relaunched_on_the_gpu(head_dim, heads, kv_heads):
+    # real blocks finishing in any order, partials NaN before each launch: every relaunch gives the reduce launch's
+    # bits and leaves the tickets zero; one-head groups (64 x 8 x 8) put four slots' (max, sum) in one cache line
+    rng = np.random.default_rng(head_dim + heads)
+    lens = [int(x) for x in rng.integers(1, 1200, 7)] + [0, 1100]
+    arrays, parts = _merge_inputs(rng, lens, heads, kv_heads, head_dim, 16, 8)
+    plain = nan_device((len(lens), heads, head_dim))
+    launch_attention_decode_tiled(*arrays, 0, head_dim**-0.5, plain, *parts, min_keys=64)
+    want = plain.copy_to_host()
+    tickets = cuda.to_device(np.zeros(len(lens) * heads, np.int32))
+    for launch in range(40):
+        out = nan_device(want.shape)
+        parts = [nan_device(p.shape) for p in parts]
+        launch_attention_decode_tiled(*arrays, 0, head_dim**-0.5, out, *parts, min_keys=64, tickets=tickets)
+        assert np.array_equal(out.copy_to_host(), want), launch
+        assert not tickets.copy_to_host().any(), launch

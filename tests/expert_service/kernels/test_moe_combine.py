@@ -48,42 +48,68 @@ def test_combine_spread_over_blocks_gives_the_same_bits(monkeypatch):
     assert not np.array_equal(got, hidden) and np.array_equal(got, single.copy_to_host())
 
 
+def _norm_case(rng, n_tok, top_k, D, norm_dtype):
+    """Device (y, position, weights, norm weight [D] in norm_dtype, bf16 as its bits) and the host residual."""
+    y = cuda.to_device(rng.standard_normal((n_tok * top_k, D)).astype(np.float32))
+    position = cuda.to_device(rng.permutation(n_tok * top_k).astype(np.int32))
+    weights = cuda.to_device(rng.random((n_tok, top_k)).astype(np.float32))
+    norm = (rng.standard_normal(D) + 1).astype(np.float32)
+    norm = (norm.view(np.uint32) >> 16).astype(np.uint16) if norm_dtype == np.uint16 else norm.astype(norm_dtype)
+    return y, position, weights, cuda.to_device(norm), rng.standard_normal((n_tok, D)).astype(np.float32)
+
+
+def _combine_then_norm(y, position, weights, norm_weight, hidden):
+    """(h, out) of moe_combine, then rmsnorm as the decoder launches it (its own thread count)."""
+    from expert_service.kernels.rmsnorm import launch_rmsnorm
+
+    h = cuda.to_device(hidden)
+    out = cuda.to_device(np.full(hidden.shape, np.nan, np.float32))
+    launch_moe_combine(y, position, weights, h)
+    launch_rmsnorm(h, norm_weight, 1e-6, out)
+    return h.copy_to_host(), out.copy_to_host()
+
+
 @pytest.mark.parametrize(
     "n_tok,top_k,D,norm_dtype", [(1, 8, 200, np.uint16), (3, 2, 130, np.float32), (5, 4, 64, np.float16)]
 )
 def test_combine_with_the_next_norm_gives_combine_then_rmsnorm_bits(n_tok, top_k, D, norm_dtype):
-    """The last of a token's blocks normalises the row: h and out equal moe_combine then rmsnorm (the same thread
-    count) bit for bit, the tickets are zero again after every launch (a graph replays it), a second launch too."""
-    import expert_service.kernels.moe_combine as module
-    from expert_service.kernels import numeric
-    from expert_service.kernels.rmsnorm import launch_rmsnorm
-
-    rng = np.random.default_rng()
-    y = cuda.to_device(rng.standard_normal((n_tok * top_k, D)).astype(np.float32))
-    position = cuda.to_device(rng.permutation(n_tok * top_k).astype(np.int32))
-    weights = cuda.to_device(rng.random((n_tok, top_k)).astype(np.float32))
-    norm_weight = (rng.standard_normal(D) + 1).astype(np.float32)
-    if norm_dtype == np.uint16:
-        norm_weight = (norm_weight.view(np.uint32) >> 16).astype(np.uint16)
-    norm_weight = cuda.to_device(norm_weight.astype(norm_dtype) if norm_dtype != np.uint16 else norm_weight)
-    hidden = rng.standard_normal((n_tok, D)).astype(np.float32)
+    """The last of a token's blocks normalises the row: h and out equal moe_combine then rmsnorm bit for bit, the
+    tickets are zero again after every launch (a graph replays it), and a second launch normalises its own row."""
+    rng = np.random.default_rng(n_tok * 100 + D)
+    y, position, weights, norm_weight, hidden = _norm_case(rng, n_tok, top_k, D, norm_dtype)
     tickets = cuda.to_device(np.zeros(n_tok + 2, np.int32))
-    assert numeric.blocks_per_row(n_tok, D, module.THREADS) > 1 or D <= module.THREADS
-    want_h, want_x = cuda.to_device(hidden), cuda.to_device(np.full((n_tok, D), np.nan, np.float32))
-    launch_moe_combine(y, position, weights, want_h)
-    launch_rmsnorm(want_h, norm_weight, 1e-6, want_x, threads=module.THREADS)
     h = cuda.to_device(hidden)
+    row = hidden
     for launch in range(2):
+        want_h, want_x = _combine_then_norm(y, position, weights, norm_weight, row)
         out = cuda.to_device(np.full((n_tok, D), np.nan, np.float32))
         launch_moe_combine(y, position, weights, h, norm=(norm_weight, 1e-6, out, tickets))
-        if launch == 0:
-            assert np.array_equal(h.copy_to_host(), want_h.copy_to_host())
-            assert np.array_equal(out.copy_to_host(), want_x.copy_to_host())
-        else:  # the second launch added the experts again: its norm is of that row
-            again = cuda.to_device(np.full((n_tok, D), np.nan, np.float32))
-            launch_rmsnorm(h, norm_weight, 1e-6, again, threads=module.THREADS)
-            assert np.array_equal(out.copy_to_host(), again.copy_to_host())
+        row = h.copy_to_host()
+        assert np.array_equal(row, want_h) and np.array_equal(out.copy_to_host(), want_x), f"launch {launch}"
         assert not tickets.copy_to_host().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [2048, 4096])
+def test_combine_with_the_next_norm_over_many_blocks_on_the_gpu(D):
+    """Real blocks finishing in any order (2 to 16 blocks a token): every relaunch gives combine + rmsnorm's bits,
+    every element of out written, the tickets zero after each."""
+    from expert_service.kernels import numeric
+    from expert_service.kernels.rmsnorm import block_threads
+
+    for n_tok in (1, 16, 64, 255):
+        assert numeric.blocks_per_row(n_tok, D, block_threads(D)) > 1, (n_tok, D)
+        rng = np.random.default_rng(n_tok + D)
+        y, position, weights, norm_weight, hidden = _norm_case(rng, n_tok, 8, D, np.uint16)
+        want_h, want_x = _combine_then_norm(y, position, weights, norm_weight, hidden)
+        tickets = cuda.to_device(np.zeros(n_tok, np.int32))
+        for launch in range(40):
+            h = cuda.to_device(hidden)
+            out = cuda.to_device(np.full((n_tok, D), np.nan, np.float32))
+            launch_moe_combine(y, position, weights, h, norm=(norm_weight, 1e-6, out, tickets))
+            assert np.array_equal(h.copy_to_host(), want_h), (n_tok, launch)
+            assert np.array_equal(out.copy_to_host(), want_x), (n_tok, launch)
+            assert not tickets.copy_to_host().any(), (n_tok, launch)
 
 
 def test_combine_with_the_next_norm_refuses_bad_arguments():
