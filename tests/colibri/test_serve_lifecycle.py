@@ -179,17 +179,20 @@ SLEEPER = "import time; time.sleep(120)"
 
 
 @contextlib.contextmanager
-def sigterm_when(condition, timeout: float):
+def sigterm_when(condition, timeout: float, then: tuple[tuple[float, int], ...] = ()):
     """SIGTERM to this process (the supervisor under test) once `condition()` holds, or at `timeout` so a run
-    that never gets there still ends; nothing is sent after the block has ended."""
+    that never gets there still ends; then each (delay, signal) of `then` that long after the one before; nothing
+    is sent after the block has ended (a late signal would land in the next test)."""
     done = threading.Event()
 
     def watch():
         deadline = time.monotonic() + timeout
         while not done.is_set() and not condition() and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not done.is_set():
-            os.kill(os.getpid(), signal.SIGTERM)
+        for delay, sig in ((0.0, signal.SIGTERM), *then):
+            if done.wait(delay):
+                return
+            os.kill(os.getpid(), sig)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -239,22 +242,28 @@ def test_a_healthy_period_resets_the_failure_count(tmp_path, monkeypatch, restor
 
 
 def test_a_child_slow_to_exit_is_waited_for_and_a_second_signal_kills(tmp_path, restore_signals):
-    slow = (
-        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.5), sys.exit(0))); "
-        "time.sleep(120)"
-    )
-    supervisor = _supervisor(tmp_path, SLEEPER, slow)
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    started = time.monotonic()
-    assert supervisor.run() == 0
-    assert time.monotonic() - started >= 2.4  # waited for the router's 1.5 s
-    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
-    supervisor = _supervisor(tmp_path, SLEEPER, stubborn)
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
-    started = time.monotonic()
-    assert supervisor.run() == 128 + signal.SIGINT
-    assert time.monotonic() - started < 10
+    # the signals go once the router has its SIGTERM handler (it writes `ready`): a router still starting on a
+    # loaded machine died of the default action, serve returned 0 before the SIGINT, and that landed in the next test
+    ready = tmp_path / "ready"
+    signalled: list[float] = []
+
+    def router_ready() -> bool:
+        if ready.exists():
+            signalled.append(time.monotonic())
+            return True
+        return False
+
+    mark = f"open({str(ready)!r}, 'w').close()"
+    slow = f"import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.5), sys.exit(0))); {mark}; time.sleep(120)"
+    with sigterm_when(router_ready, timeout=60.0):
+        assert _supervisor(tmp_path, SLEEPER, slow).run() == 0
+    assert signalled and time.monotonic() - signalled[0] >= 1.4  # waited for the router's 1.5 s
+    ready.unlink()
+    signalled.clear()
+    stubborn = f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); {mark}; time.sleep(120)"
+    with sigterm_when(router_ready, timeout=60.0, then=((1.0, signal.SIGINT),)):
+        assert _supervisor(tmp_path, SLEEPER, stubborn).run() == 128 + signal.SIGINT
+    assert signalled and time.monotonic() - signalled[0] < 10
 
 
 def test_a_signal_after_the_exit_status_is_decided_cannot_change_it(tmp_path, monkeypatch, restore_signals):
