@@ -100,9 +100,6 @@ VARIANTS = {
     "mma_sync_experts": {"wgmma_experts": False},
     "decode_splits_per_step": {"decode_splits_per_step": True},
     "l2_prefetch": {"l2_prefetch": True},
-    "attention_merge": {"fused_attention_merge": True},
-    "ticketed_norm": {"ticketed_combine_norm": True},
-    "tickets": {"fused_attention_merge": True, "ticketed_combine_norm": True},
     # mixtral-like layers: steps from 96 rows an expert up to 2,048 tokens on the wgmma grouped kernel (the shipped
     # window, `fused`, stops at 1,024), or none (every step above 64 tokens on per-expert cuBLAS)
     "few_expert_off": {"grouped_mma_max_tokens_few_experts": 0},

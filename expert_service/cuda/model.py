@@ -63,10 +63,6 @@ class CudaModel:
     ):
         self.config, self.weights, self.ws, self.linear, self.stream = config, weights, workspace, linear, stream
         self.k_pool, self.v_pool, self.cached, self.options = k_pool, v_pool, cached, options
-        # the tiled decode attention's tickets: zero before its first merging launch, and every launch leaves them zero
-        workspace.attention_tickets.copy_to_device(
-            np.zeros(workspace.attention_tickets.shape[0], np.int32), stream=stream
-        )
         inv_freq, self.rope_scale = config.rope.inverse_frequencies(config.head_dim)
         self.inv_freq = cuda.to_device(inv_freq.astype(np.float32), stream=stream)
         self.head_8bit: tuple[Matrix8Bit, EightBitRows] | None = None  # the head and what runs it
@@ -218,8 +214,6 @@ class CudaModel:
                 launch_attention_decode_shared(
                     *paged, *groups, window, scale, attn3, part_out, part_ml, shared_out, shared_ml, stream=st
                 )
-            elif attend is launch_attention_decode_fastest and self.options.fused_attention_merge:
-                attend(*paged, window, scale, attn3, part_out, part_ml, stream=st, tickets=ws.attention_tickets)
             else:
                 attend(*paged, window, scale, attn3, part_out, part_ml, stream=st)
         else:

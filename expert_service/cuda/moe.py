@@ -112,8 +112,6 @@ class DeviceMoe:
         )
         # gate_fused's tickets: zero before its first launch, and every launch leaves them zero
         workspace.router_counter.copy_to_device(np.zeros(workspace.router_counter.shape[0], np.int32), stream=stream)
-        # moe_combine's tickets when it writes the next norm: likewise
-        workspace.combine_tickets.copy_to_device(np.zeros(workspace.combine_tickets.shape[0], np.int32), stream=stream)
 
     def forward(self, i: int, x, h, T: int, next_norm=None, warm=None) -> bool:
         """Layer i's MoE block on x [T, D] (normed input), added into the residual h [T, D]. The top-k ids of
@@ -131,13 +129,12 @@ class DeviceMoe:
         ids = ws.topk_ids.reshape(-1)[moe_index * n : (moe_index + 1) * n].reshape(T, K)
         weights = ws.topk_weights[:T]
         strategy = step_strategy(T, cfg, self.weights, self.cached, self.options)
-        ticketed = self.options.ticketed_combine_norm and T < FUSED_COMBINE_NORM_MIN_TOKENS
         fuse_norm = (
             next_norm is not None
             and not cfg.shared_expert_intermediate_size
-            and (strategy is MoeStrategy.ALL_EXPERTS or T >= FUSED_COMBINE_NORM_MIN_TOKENS or ticketed)
+            and (strategy is MoeStrategy.ALL_EXPERTS or T >= FUSED_COMBINE_NORM_MIN_TOKENS)
         )
-        combine = self._combiner(x, next_norm if fuse_norm else None, ticketed)
+        combine = self._combiner(x, next_norm if fuse_norm else None)
         if self.planned:  # routing=lut: the plan's ids (staged with the step), weights from their gate logits
             planned = ws.routed_ids[moe_index * n : (moe_index + 1) * n].reshape(T, K)
             launch_gate_planned(x, router, planned, ids, weights, stream=st)
@@ -218,18 +215,14 @@ class DeviceMoe:
         )
         return strategy is MoeStrategy.CACHED_CUBLAS
 
-    def _combiner(self, x, norm_weight, ticketed: bool = False):
+    def _combiner(self, x, norm_weight):
         """combine(y, index, weights, h, dense=False): the layer's last op, h += the weighted expert outputs
         (moe_combine, or moe_combine_dense for y [E, T, D]); with norm_weight, also x = rmsnorm(h, norm_weight)
-        in the same launch (moe_combine_rmsnorm: bitwise the same as the combine, then rmsnorm; ticketed:
-        moe_combine's blocks a token, the last of them writing the norm)."""
+        in the same launch (moe_combine_rmsnorm: bitwise the same as the combine, then rmsnorm)."""
         st, eps = self.stream, self.config.rms_norm_eps
 
         def combine(y, index, weights, h, dense: bool = False) -> None:
-            if norm_weight is not None and ticketed and not dense:
-                tickets = self.ws.combine_tickets
-                launch_moe_combine(y, index, weights, h, stream=st, norm=(norm_weight, eps, x, tickets))
-            elif norm_weight is not None:
+            if norm_weight is not None:
                 launch_moe_combine_rmsnorm(y, index, weights, h, norm_weight, eps, x, dense=dense, stream=st)
             elif dense:
                 launch_moe_combine_dense(y, index, weights, h, stream=st)

@@ -164,7 +164,6 @@ def layout_workspace(
         "topk_ids": ((max(num_layers_moe, 1), T, K), i32),
         "topk_weights": ((T, K), f32),
         "router_counter": ((max(1, min(T, FUSED_ROUTER_MAX_TOKENS)),), i32),  # gate_fused's tickets (zeroed)
-        "combine_tickets": ((T,), i32),  # moe_combine's when it writes the next layer's norm (zeroed)
         "identity_position": ((T * K,), i32),  # y rows in assignment order (gemv and grouped-MMA combine)
         "counts": ((E,), i32),
         "offsets": ((E + 1,), i32),
@@ -174,8 +173,6 @@ def layout_workspace(
         "moe_out": ((max(T * K, per_expert_rows), D), f32),
         "split_out": ((split_rows, config.num_attention_heads, config.head_dim), f32),
         "split_ml": ((split_rows, config.num_attention_heads, 2), f32),
-        # attention_decode_tiled's tickets when it merges its parts itself, one per (sequence, query head) at most
-        "attention_tickets": ((S * config.num_attention_heads,), i32),
         "last_hidden": ((S, D), f32),
         "logits": ((S, config.vocab_size), f32),
         "greedy_ids": ((S,), i32),

@@ -14,14 +14,7 @@ from dataclasses import dataclass
 # Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
 # Every other switch defaults to the shipped path.
 EXPERIMENTAL: frozenset[str] = frozenset(
-    {
-        "decode_splits_per_step",
-        "q8_decode_activations",
-        "shared_prefix_attention",
-        "l2_prefetch",
-        "fused_attention_merge",
-        "ticketed_combine_norm",
-    }
+    {"decode_splits_per_step", "q8_decode_activations", "shared_prefix_attention", "l2_prefetch"}
 )
 
 
@@ -41,10 +34,6 @@ class CudaOptions:
     # decode attention on attention_decode_tiled where it applies (bf16 pools, head size 64/128; 1.2-4.2x faster
     # on the H200, docs/kernels.md) (False: attention_decode everywhere)
     tiled_decode_attention: bool = True
-    # EXPERIMENTAL (until measured): split decode steps on attention_decode_tiled merge their split-K parts in the attention kernel: the last part
-    # of a (sequence, head group) to finish merges them all (a ticket), the same bits as the reduce launch it
-    # replaces (False: a reduce launch after every split attention)
-    fused_attention_merge: bool = False
     # decode steps of 2+ sequences on tensor cores, attention_decode_mma, where it applies (bf16 pools, head size
     # 16/32/64/128, at most 16 query heads per kv head); elsewhere tiled_decode_attention decides
     mma_decode_attention: bool = True
@@ -69,10 +58,6 @@ class CudaOptions:
     # a MoE layer's combine also writes the next layer's input RMSNorm, moe_combine_rmsnorm, where cuda/moe.py
     # finds it pays (FUSED_COMBINE_NORM_MIN_TOKENS) (False: rmsnorm at the next layer's start)
     fused_combine_norm: bool = True
-    # EXPERIMENTAL (until measured): with fused_combine_norm, steps below cuda/moe.py's FUSED_COMBINE_NORM_MIN_TOKENS
-    # fuse it too: moe_combine's blocks a token take tickets and the last normalises the row (rmsnorm's bits)
-    # (False: rmsnorm at the next layer's start of those steps)
-    ticketed_combine_norm: bool = False
     # steps of up to moe_strategy.FUSED_ROUTER_MAX_TOKENS route with gate_fused: router GEMV, softmax, top-k and
     # normalisation in one launch (False: DeviceLinear + gate_topk at every size)
     fused_router: bool = True

@@ -30,7 +30,6 @@ from expert_service.kernels.attention_decode import (
     check_arguments,
     group_tile,
     launch_attention_decode,
-    part_merger,
     part_range,
     reduce_parts,
     row_lookup,
@@ -61,13 +60,8 @@ def _dot8(sq, o, x0, x1, x2, x3, x4, x5, x6, x7):
             sq[o + _u(4)] * x4 + sq[o + _u(5)] * x5 + sq[o + _u(6)] * x6 + sq[o + _u(7)] * x7)
 
 
-_merge = part_merger(False)
-
-
 @functools.cache
-def _build(head_dim: int, gt: int, merge_in_kernel: bool = False):
-    """(python kernel, jitted kernel) for head size head_dim and GT = gt query heads a block; merge_in_kernel: the
-    last part of a (sequence, head group) to finish merges the parts (tickets), so no reduce launch follows."""
+def _build(head_dim: int, gt: int):
     chunks = head_dim // 8                 # 16-byte chunks per key row
     row_u64 = head_dim // 4
     tile_u64 = KT * row_u64
@@ -96,13 +90,12 @@ def _build(head_dim: int, gt: int, merge_in_kernel: bool = False):
             cp_async16(vs, dst, v_words, src, ok)
 
     def attention_decode_tiled_kernel(q, k_words, v_words, block_tables, context_lens, positions, block_shift,
-                                      num_kv_heads, window, scale, min_keys, out, part_out, part_ml, tickets):
+                                      num_kv_heads, window, scale, min_keys, out, part_out, part_ml):
         """attention_decode_kernel's arguments, with the pools as flat uint32 words (two bf16 each) and the
         block size as its log2: q: [S, H, Hd] float32; k_words, v_words: [NB * BS * Hkv * Hd / 2] uint32;
         block_tables [S, max_blocks], context_lens [S], positions [S] int32; block_shift, num_kv_heads,
         window: int32; scale: float32; out [S, H, Hd] float32 (when gridDim.z == 1); part_out [S, H, P, Hd],
-        part_ml [S, H, P, 2] float32; tickets [>= S * H // GT] int32, zero on entry and on exit (read only when
-        merge_in_kernel). Grid (S, H // GT, P), block (THREADS,)."""
+        part_ml [S, H, P, 2] float32. Grid (S, H // GT, P), block (THREADS,)."""
         s = cuda.blockIdx.x
         h0 = cuda.blockIdx.y * gt
         split = cuda.blockIdx.z
@@ -123,7 +116,6 @@ def _build(head_dim: int, gt: int, merge_in_kernel: bool = False):
         sm = cuda.shared.array(heads, types.float32)     # running max per head
         sl = cuda.shared.array(heads, types.float32)     # running sum per head
         sa = cuda.shared.array(heads, types.float32)     # this tile's rescale of the accumulators
-        last_flag = cuda.shared.array(1, types.int32)    # merge_in_kernel: this block took the last ticket
         for e in range(tid, gt * head_dim, THREADS):
             sq[e] = q[s, h0 + e // head_dim, e % head_dim] * scale
         if tid < _u(heads):
@@ -239,71 +231,43 @@ def _build(head_dim: int, gt: int, merge_in_kernel: bool = False):
                     if col == _u(0):
                         part_ml[s, h0 + g, split, 0] = sm[g]
                         part_ml[s, h0 + g, split, 1] = sl[g]
-        if merge_in_kernel and parts > 1:
-            # every block fences its partials, then takes a ticket; the last of the parts resets the ticket and
-            # merges them all, in part order (the reduce kernel's function: the same bits)
-            cuda.threadfence()
-            cuda.syncthreads()
-            slot = s * cuda.gridDim.y + cuda.blockIdx.y
-            if tid == _u(0):
-                ticket = cuda.atomic.add(tickets, slot, 1)
-                last_flag[0] = 1 if ticket == parts - 1 else 0
-                if ticket == parts - 1:
-                    tickets[slot] = 0
-            cuda.syncthreads()
-            if last_flag[0] != 0:
-                cuda.threadfence()
-                for g in range(gt):
-                    _merge(part_out, part_ml, parts, part_out, part_ml, 0, s, h0 + g, out)
 
     return attention_decode_tiled_kernel, cached_jit(attention_decode_tiled_kernel)
 
 
 def launch_attention_decode_tiled(q, k_pool, v_pool, block_tables, context_lens, positions, window: int,
                                   scale: float, out, part_out=None, part_ml=None, stream=0,
-                                  min_keys: int = MIN_PART_KEYS, tickets=None) -> None:
+                                  min_keys: int = MIN_PART_KEYS) -> None:
     """launch_attention_decode's arguments (min_keys: the fewest keys of a part); k_pool, v_pool: [NB, BS, Hkv, Hd]
-    uint16 (bf16 bits), Hd 64 or 128. tickets: int32 [>= S * H // GT] device array, all zero (a workspace buffer
-    zeroed once: every launch leaves it zero): split steps merge their parts in the attention kernel instead of a
-    reduce launch after it (the same output bits)."""
+    uint16 (bf16 bits), Hd 64 or 128."""
     num_seqs, num_heads, head_dim, num_kv_heads, block_size, splits = check_arguments(
         "attention_decode_tiled", q, k_pool, v_pool, block_tables, context_lens, positions, out, part_out, part_ml)
     assert supports(k_pool.dtype, head_dim, block_size), (k_pool.dtype, head_dim, block_size)
     if num_seqs == 0:
         return
     gt = group_tile(num_heads // num_kv_heads)
-    merge_in_kernel = tickets is not None and splits > 1
-    if merge_in_kernel:
-        need = num_seqs * (num_heads // gt)
-        if tickets.dtype != np.int32 or tickets.ndim != 1 or tickets.shape[0] < need:
-            raise ValueError(f"tickets must be int32 [>= {need}], got {tickets.dtype} {list(tickets.shape)}")
-    kernel = _build(head_dim, gt, merge_in_kernel)[1]
+    kernel = _build(head_dim, gt)[1]
     if splits == 1:
         part_out = part_ml = out.reshape(num_seqs, num_heads, 1, head_dim)
     kernel[(num_seqs, num_heads // gt, splits), THREADS, stream](
         q, k_pool.reshape(-1).view(np.uint32), v_pool.reshape(-1).view(np.uint32), block_tables, context_lens,
         positions, np.int32(block_size.bit_length() - 1), np.int32(num_kv_heads), np.int32(window),
-        np.float32(scale), np.int32(min_keys), out, part_out, part_ml,
-        tickets if merge_in_kernel else context_lens)   # never read without merge_in_kernel
-    if splits > 1 and not merge_in_kernel:
+        np.float32(scale), np.int32(min_keys), out, part_out, part_ml)
+    if splits > 1:
         reduce_parts(context_lens, positions, window, min_keys, part_out, part_ml, out, stream)
 
 
 def launch_attention_decode_fastest(q, k_pool, v_pool, block_tables, context_lens, positions, window: int,
-                                    scale: float, out, part_out=None, part_ml=None, stream=0, tickets=None) -> None:
-    """launch_attention_decode's arguments: this kernel where `supports` holds (tickets: its in-kernel merge),
-    attention_decode otherwise (its reduce launch)."""
-    args = (q, k_pool, v_pool, block_tables, context_lens, positions, window, scale, out, part_out, part_ml, stream)
-    if supports(k_pool.dtype, q.shape[2], k_pool.shape[1]):
-        launch_attention_decode_tiled(*args, tickets=tickets)
-    else:
-        launch_attention_decode(*args)
+                                    scale: float, out, part_out=None, part_ml=None, stream=0) -> None:
+    """launch_attention_decode's arguments: this kernel where `supports` holds, attention_decode otherwise."""
+    tiled = supports(k_pool.dtype, q.shape[2], k_pool.shape[1])
+    launch = launch_attention_decode_tiled if tiled else launch_attention_decode
+    launch(q, k_pool, v_pool, block_tables, context_lens, positions, window, scale, out, part_out, part_ml, stream)
 
 
 def sm90_signatures():
-    """(python function, numba signature): Hd 128 with GQA tiles 4 and 8, Hd 64 with tile 1 (MHA), each with the
-    reduce launch after it and with the merge in the kernel."""
+    """(python function, numba signature): Hd 128 with GQA tiles 4 and 8, Hd 64 with tile 1 (MHA)."""
     f32_3d, f32_4d, i32, u32 = types.float32[:, :, ::1], types.float32[:, :, :, ::1], types.int32, types.uint32[::1]
     sig = (f32_3d, u32, u32, i32[:, ::1], i32[::1], i32[::1], i32, i32, i32, types.float32, i32, f32_3d, f32_4d,
-           f32_4d, i32[::1])
-    return [(_build(hd, gt, m)[0], sig) for hd, gt in ((128, 4), (128, 8), (64, 1)) for m in (False, True)]
+           f32_4d)
+    return [(_build(hd, gt)[0], sig) for hd, gt in ((128, 4), (128, 8), (64, 1))]

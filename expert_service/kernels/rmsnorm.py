@@ -38,14 +38,14 @@ WARP_KERNEL_MIN_ROWS = 0 if SIMULATOR else 1024
 
 
 @functools.cache
-def row_norm(weight_dtype, per_thread: int):
-    """Device function `norm_row(x, r, weight, eps, out)`: out[r] = rmsnorm(x[r]) by the whole block, thread j
-    holding elements j, j + blockDim.x, ... (rows of at most per_thread * blockDim.x elements): the block kernel's
-    body, so every kernel that calls it gives rmsnorm's bits."""
+def _build(weight_dtype, per_thread: int):
+    """The block-per-row kernels for rows of at most per_thread * blockDim.x elements."""
     widen = widener(weight_dtype)
 
-    @cuda.jit(device=True, inline=True)
-    def norm_row(x, r, weight, eps, out):
+    def rmsnorm_kernel(x, weight, eps, out):
+        """x: [R, N] float32. weight: [N] W. eps: float32. out: [R, N] float32 (may alias x).
+        Grid (R,), block (threads,) with N <= per_thread * threads."""
+        r = cuda.blockIdx.x
         n = x.shape[1]
         v = cuda.local.array(per_thread, np.float32)
         w = cuda.local.array(per_thread, np.float32)
@@ -61,20 +61,6 @@ def row_norm(weight_dtype, per_thread: int):
             i = cuda.threadIdx.x + j * cuda.blockDim.x
             if i < n:
                 out[r, i] = (v[j] / denom) * w[j]
-
-    return norm_row
-
-
-@functools.cache
-def _build(weight_dtype, per_thread: int):
-    """The block-per-row kernels for rows of at most per_thread * blockDim.x elements."""
-    widen = widener(weight_dtype)
-    norm_row = row_norm(weight_dtype, per_thread)
-
-    def rmsnorm_kernel(x, weight, eps, out):
-        """x: [R, N] float32. weight: [N] W. eps: float32. out: [R, N] float32 (may alias x).
-        Grid (R,), block (threads,) with N <= per_thread * threads."""
-        norm_row(x, cuda.blockIdx.x, weight, eps, out)
 
     def add_rmsnorm_kernel(residual, delta, weight, eps, out):
         """residual: [R, N] float32, updated in place (+= delta). delta: [R, N] float32. weight: [N] W.
@@ -101,12 +87,6 @@ def _build(weight_dtype, per_thread: int):
                 out[r, i] = (v[j] / denom) * w[j]
 
     return (rmsnorm_kernel, cached_jit(rmsnorm_kernel)), (add_rmsnorm_kernel, cached_jit(add_rmsnorm_kernel))
-
-
-def block_threads(n: int) -> int:
-    """Threads of the block-per-row kernel for rows of n elements when the caller names none: one per element up to
-    THREADS (kernels that reuse its body launch this many to give its bits)."""
-    return min(THREADS, -(-n // WARP) * WARP)
 
 
 def per_thread(n: int, threads: int) -> int:
@@ -176,7 +156,7 @@ def launch_rmsnorm(x, weight, eps, out, stream=0, threads=None) -> None:
         kernel = _build_short(np.dtype(weight.dtype), -(-n // WARP))[1]
         kernel[-(-rows // ROWS_PER_BLOCK), ROWS_PER_BLOCK * WARP, stream](x2, weight, eps, out2)
     else:
-        threads = threads or block_threads(n)
+        threads = threads or min(THREADS, -(-n // WARP) * WARP)
         _build(np.dtype(weight.dtype), per_thread(n, threads))[0][1][rows, threads, stream](x2, weight, eps, out2)
 
 

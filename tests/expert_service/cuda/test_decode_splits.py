@@ -73,31 +73,3 @@ def test_per_step_parts_equal_the_largest_batchs(model, seqs):
     assert graphs.decoder.graphs, "decode steps did not replay a graph"
     for i, ((tokens, logits), (want_tokens, want)) in enumerate(zip(replayed, per_step)):
         assert tokens == want_tokens and np.array_equal(logits, want), f"{dtype}, {seqs} sequences, decode {i}: replay"
-
-
-@pytest.mark.parametrize("per_step", [False, True])
-def test_parts_merged_in_the_attention_kernel_give_the_reduce_launchs_bits(model, per_step, monkeypatch):
-    # CudaOptions.fused_attention_merge: one sequence over 900 keys on the bf16 model (attention_decode_tiled in
-    # parts): no reduce launch, and every token and logit as with the reduce launch, eager and graph-replayed
-    dtype, model = model
-    if dtype != "bf16":
-        pytest.skip("attention_decode_tiled runs on bf16 pools only")
-    import expert_service.kernels.attention_decode_tiled as tiled
-
-    reduces = []
-    real_reduce = tiled.reduce_parts
-    monkeypatch.setattr(tiled, "reduce_parts", lambda *a, **k: reduces.append(1) or real_reduce(*a, **k))
-    merge = CudaOptions(fused_attention_merge=True, decode_splits_per_step=per_step)
-    eager = open_engine(model, cuda_graphs=False, cuda_options=merge)
-    merged = decode(eager, PROMPTS[1])
-    assert not reduces, "a reduce launch ran with the merge in the attention kernel"
-    assert not eager.decoder.ws.attention_tickets.copy_to_host().any()
-    eager.decoder.set_options(CudaOptions(decode_splits_per_step=per_step))
-    plain = decode(eager, PROMPTS[1])
-    assert reduces, "the reduce launch did not run with the option off: the prompts take one part"
-    replayed = decode(open_engine(model, cuda_options=merge), PROMPTS[1])
-    for i, ((tokens, logits), (want_tokens, want), (graph_tokens, graph_logits)) in enumerate(
-        zip(merged, plain, replayed)
-    ):
-        assert tokens == want_tokens and np.array_equal(logits, want), f"decode {i}"
-        assert graph_tokens == want_tokens and np.array_equal(graph_logits, want), f"decode {i}: replay"

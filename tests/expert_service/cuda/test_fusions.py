@@ -134,34 +134,6 @@ def test_fusions_launch_and_equal_the_unfused_path_bit_for_bit(model, monkeypatc
     assert_bitwise(run_steps(graphs), unfused, f"{name}: re-captured graphs, fusions off")
 
 
-def test_ticketed_combine_norm_fuses_small_steps_with_the_unfused_bits(model, monkeypatch):
-    # CudaOptions.ticketed_combine_norm: below FUSED_COMBINE_NORM_MIN_TOKENS the spread combine writes the next norm
-    # (its last block a token); every logit equals combine + rmsnorm's, eager and graph-replayed
-    import expert_service.cuda.moe as moe
-
-    name, path = model
-    mc = open_engine(path, cuda_graphs=False).model_config
-    if mc.shared_expert_intermediate_size:
-        pytest.skip("a shared expert reads x after the combine: its norm is never fused")
-    on = CudaOptions(ticketed_combine_norm=True)
-    eager = open_engine(path, cuda_graphs=False, cuda_options=on)
-    normed = []
-    real = moe.launch_moe_combine
-    monkeypatch.setattr(
-        moe, "launch_moe_combine", lambda *a, **k: normed.append(k.get("norm") is not None) or real(*a, **k)
-    )
-    fused = run_steps(eager)
-    assert sum(normed) >= DECODES, f"{name}: decode combines did not write the norm ({normed})"
-    assert not eager.decoder.ws.combine_tickets.copy_to_host().any(), name
-    replayed = run_steps(open_engine(path, cuda_options=on))
-    eager.decoder.set_options(CudaOptions())
-    normed.clear()
-    plain = run_steps(eager)
-    assert not any(normed), name
-    assert_bitwise(fused, plain, f"{name}: ticketed vs combine + rmsnorm")
-    assert_bitwise(replayed, plain, f"{name}: graph replay, ticketed")
-
-
 def test_one_token_steps_take_one_gemv_over_the_stacked_qkv_rows(model, monkeypatch):
     """Where the format stored q, k, v back to back (and their biases, if any), a one-token step runs one GEMV
     for the three projections: two launches a layer fewer, the same tokens, logits within float32 rounding of the
