@@ -78,3 +78,83 @@ def test_refusals():
         matrix_meta(q.CODE_INT8, 64, 8)
     with pytest.raises(ValueError, match="scales start past the matrix"):
         matrix_meta(q.CODE_INT8, 32, 32)
+
+
+@pytest.mark.parametrize("code", [q.CODE_INT8, q.CODE_FP8])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_one_row_split_over_warps_matches_reference(code, accumulate):
+    """A launch shape that splits a row group's K over 2 or 4 warps (moe_q8.split_for): every output written (13
+    rows: the last group partial), the parts' sums met in shared memory, within float32 rounding of the reference
+    and of the unsplit launch; the split the launch took is the one split_for names."""
+    from expert_service.kernels import moe_q8
+
+    rng = np.random.default_rng(7 + code + accumulate)
+    n_out = 13
+    for K, want_split in ((1024, 2), (2048 + 16, 4)):  # 2048 + 16: 129 chunks, parts of 64, 64, 1 and none
+        block, meta, codes, scale = matrix_block(rng, code, n_out, K)
+        shape = moe_q8.LaunchShape(4, 1, 2, 1, 4, split=4)
+        assert moe_q8.split_for(shape, n_out, K, 1, False, 1) == want_split
+        x = rng.standard_normal((1, K)).astype(np.float32)
+        base = (
+            rng.standard_normal((1, n_out)).astype(np.float32)
+            if accumulate
+            else np.full((1, n_out), np.nan, np.float32)
+        )
+        outs = []
+        for launch_shape in (moe_q8.LaunchShape(4, 1, 2, 1, 4), shape):
+            out = cuda.to_device(base)
+            bounds, first = cuda.to_device(row_bounds(2)), cuda.to_device(np.zeros((1, 1), np.int32))
+            args = (cuda.to_device(block), cuda.to_device(meta), code, n_out, out, bounds, first)
+            launch_linear_q8(cuda.to_device(x), *args, accumulate=accumulate, shape=launch_shape)
+            outs.append(out.copy_to_host())
+        ref = linear_q8_reference(x, codes, scale, code) + (base if accumulate else 0)
+        assert np.isfinite(outs[1]).all()
+        np.testing.assert_allclose(outs[1], ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_split_for_gives_warps_to_matrices_of_few_rows():
+    """The engine's one-token 8-bit launches under a shape allowing 4 parts (4 warps a block, 2 gate / 4 down rows a
+    warp, 2 chunks a lane in flight): the attention projections of the shapes benchmarked split, the experts' and
+    the LM head's launches (enough warps already) and a shape allowing none do not."""
+    from expert_service.kernels import moe_q8
+
+    allowed = moe_q8.LaunchShape(4, 2, 4, 2, 16, split=4)
+    assert moe_q8.split_for(allowed, 2048, 4096, 1, False, 1) == 4  # qwen3moe-shape o_proj: 512 warps -> 2,048
+    assert moe_q8.split_for(allowed, 5120, 2048, 1, False, 1) == 2  # its q|k|v: 1,280 -> 2,560
+    assert moe_q8.split_for(allowed, 4096, 4096, 1, False, 1) == 2  # mixtral-shape o_proj
+    assert moe_q8.split_for(allowed, 768, 2048, 8, True, 1) == 1  # eight experts' gate|up: 3,072 warps
+    assert moe_q8.split_for(allowed, 151936, 2048, 1, False, 1) == 1  # an LM head
+    assert moe_q8.split_for(allowed, 2048, 1024, 1, False, 1) == 1  # 64 chunks a row: one step a warp already
+    assert moe_q8.split_for(allowed._replace(split=1), 2048, 4096, 1, False, 1) == 1
+    assert (
+        moe_q8.split_for(moe_q8.LaunchShape(2, 2, 4, 2, 16, split=4), 2048, 4096, 1, False, 1) == 2
+    )  # 2 warps a block
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_out,K", [(2048, 4096), (5120, 2048), (4096, 4096)])
+def test_split_rows_on_the_gpu(n_out, K):
+    """The engine's split one-token launches at the benchmarked shapes' projection sizes (qwen3moe-shape o and
+    q|k|v, mixtral-shape o), int8 and fp8, accumulating: within float32 rounding of the reference and the unsplit
+    launch, relaunched with out reset each time (the same bits every time)."""
+    from expert_service.kernels import moe_q8
+
+    shape = moe_q8.DECODE_SHAPE._replace(split=4)
+    assert moe_q8.split_for(shape, n_out, K, 1, False, 1) > 1
+    for code in (q.CODE_INT8, q.CODE_FP8):
+        rng = np.random.default_rng(n_out + K + code)
+        block, meta, codes, scale = matrix_block(rng, code, n_out, K)
+        x = rng.standard_normal((1, K)).astype(np.float32)
+        base = rng.standard_normal((1, n_out)).astype(np.float32)
+        args = [cuda.to_device(a) for a in (block, meta)] + [code, n_out]
+        bounds, first = cuda.to_device(row_bounds(2)), cuda.to_device(np.zeros((1, 1), np.int32))
+        dx, outs = cuda.to_device(x), []
+        for launch_shape in (moe_q8.DECODE_SHAPE, shape, shape):
+            out = cuda.to_device(base)
+            launch_linear_q8(dx, *args, out, bounds, first, accumulate=True, shape=launch_shape)
+            outs.append(out.copy_to_host())
+        ref = base + linear_q8_reference(x, codes, scale, code)
+        np.testing.assert_allclose(outs[1], ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+        np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        assert np.array_equal(outs[1], outs[2])
