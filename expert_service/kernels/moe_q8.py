@@ -104,14 +104,15 @@ TARGET_WARPS = 2048  # a one-token launch splits rows until about this many warp
 
 
 def split_for(shape: LaunchShape, n_rows: int, n_in: int, slots: int, gated: bool, value_bytes: int) -> int:
-    """Warps a row group splits into (a power of two up to shape.split and shape.warps) for a one-token launch of
-    `slots` block columns over n_rows rows of n_in values of value_bytes each: doubled while the launch has fewer
-    than TARGET_WARPS warps and each part keeps at least one full step of loads (32 lanes x unroll chunks)."""
+    """Warps a row group splits into (a power of two up to shape.split that divides shape.warps) for a one-token
+    launch of `slots` block columns over n_rows rows of n_in values of value_bytes each: doubled while the launch has
+    fewer than TARGET_WARPS warps and each part keeps at least one full step of loads (32 lanes x unroll chunks)."""
     chunks = n_in * value_bytes // CHUNK_BYTES
     warps = slots * -(-n_rows // shape.rows(gated))
     split = 1
     while (
-        split * 2 <= min(shape.split, shape.warps)
+        split * 2 <= shape.split
+        and shape.warps % (split * 2) == 0  # a block holds whole row groups
         and warps * split < TARGET_WARPS
         and chunks >= 2 * split * WARP * shape.unroll
     ):
@@ -175,7 +176,9 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
     expert e, its block and its positions [start, end)). accumulate (down only): out += the sums instead of =."""
     rows = shape.rows(gated)
     warps = shape.warps
-    split = shape.split if tokens == 1 else 1  # warps sharing a row group (one-token launches)
+    split = shape.split if tokens == 1 else 1  # warps sharing a row group (one-token launches: one pass)
+    if warps % split:
+        raise ValueError(f"a block of {warps} warps cannot hold row groups of {split}")
     groups = warps // split  # row groups a block
     nw = 2 * rows if gated else rows  # weight rows one warp streams
     quads = 4 // element_bytes(code)  # 4-value quads per 16-byte chunk
@@ -418,7 +421,7 @@ def _launch(
     # one-token launches split rows over warps as the matrix needs (by the narrowest encoding of the layer's kinds,
     # whose rows have the fewest chunks)
     narrowest = min(element_bytes(code) for code, _ in kinds)
-    shape = shape._replace(split=split_for(shape, n_rows, n_in, slots, gated, narrowest) if by_slot else 1)
+    shape = shape._replace(split=split_for(shape, n_rows, n_in, slots, gated, narrowest) if by_slot else 1)  # one pass
     grid = (slots, -(-n_rows // (shape.warps // shape.split * shape.rows(gated))))
     args = (
         src.reshape(src.size),

@@ -82,7 +82,7 @@ def test_refusals():
 
 @pytest.mark.parametrize("code", [q.CODE_INT8, q.CODE_FP8])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_one_row_split_over_warps_matches_reference(code, accumulate):
+def test_one_row_split_over_warps_matches_reference(code, accumulate, monkeypatch):
     """A launch shape that splits a row group's K over 2 or 4 warps (moe_q8.split_for): every output written (13
     rows: the last group partial), the parts' sums met in shared memory, within float32 rounding of the reference
     and of the unsplit launch; the split the launch took is the one split_for names."""
@@ -90,6 +90,9 @@ def test_one_row_split_over_warps_matches_reference(code, accumulate):
 
     rng = np.random.default_rng(7 + code + accumulate)
     n_out = 13
+    built: list[int] = []  # the split of every kernel built
+    kernel = moe_q8._kernel
+    monkeypatch.setattr(moe_q8, "_kernel", lambda *key: (built.append(key[3].split), kernel(*key))[1])
     for K, want_split in ((1024, 2), (2048 + 16, 4)):  # 2048 + 16: 129 chunks, parts of 64, 64, 1 and none
         block, meta, codes, scale = matrix_block(rng, code, n_out, K)
         shape = moe_q8.LaunchShape(4, 1, 2, 1, 4, split=4)
@@ -101,12 +104,14 @@ def test_one_row_split_over_warps_matches_reference(code, accumulate):
             else np.full((1, n_out), np.nan, np.float32)
         )
         outs = []
+        built.clear()
         for launch_shape in (moe_q8.LaunchShape(4, 1, 2, 1, 4), shape):
             out = cuda.to_device(base)
             bounds, first = cuda.to_device(row_bounds(2)), cuda.to_device(np.zeros((1, 1), np.int32))
             args = (cuda.to_device(block), cuda.to_device(meta), code, n_out, out, bounds, first)
             launch_linear_q8(cuda.to_device(x), *args, accumulate=accumulate, shape=launch_shape)
             outs.append(out.copy_to_host())
+        assert built == [1, want_split]  # the launch split as split_for says
         ref = linear_q8_reference(x, codes, scale, code) + (base if accumulate else 0)
         assert np.isfinite(outs[1]).all()
         np.testing.assert_allclose(outs[1], ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
