@@ -52,6 +52,7 @@ from expert_service.kernels.expert_quant import (
     fp8x4,
     int8x4,
 )
+from expert_service.kernels.gemv import TARGET_WARPS  # a one-token launch splits rows until this many warps stream
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, check_array, f16_to_f32, silu, u32_as_f32, warp_sum
 from expert_service.kernels.ptx import ld_stream_v4, ld_v4
@@ -100,7 +101,6 @@ class LaunchShape(NamedTuple):
 
 
 DECODE_SHAPE = LaunchShape(WARPS, ROWS_GATED, ROWS_DOWN, UNROLL, WARPS * DECODE_BLOCKS_PER_SM)
-TARGET_WARPS = 2048  # a one-token launch splits rows until about this many warps stream (gemv's target: ~16 an SM)
 
 
 def split_for(shape: LaunchShape, n_rows: int, n_in: int, slots: int, gated: bool, value_bytes: int) -> int:
@@ -418,10 +418,10 @@ def _launch(
     by_slot = ids is not None
     slots = ids.size if by_slot else offsets.shape[0] - 1
     dummy = meta.reshape(meta.size)[:1]
-    # one-token launches split rows over warps as the matrix needs (by the narrowest encoding of the layer's kinds,
-    # whose rows have the fewest chunks)
-    narrowest = min(element_bytes(code) for code, _ in kinds)
-    shape = shape._replace(split=split_for(shape, n_rows, n_in, slots, gated, narrowest) if by_slot else 1)  # one pass
+    if shape.split > 1:  # one-token launches split rows over warps as the matrix needs (by the narrowest encoding
+        # of the layer's kinds, whose rows have the fewest chunks); token tiles never (one pass a tile)
+        narrowest = min(element_bytes(code) for code, _ in kinds)
+        shape = shape._replace(split=split_for(shape, n_rows, n_in, slots, gated, narrowest) if by_slot else 1)
     grid = (slots, -(-n_rows // (shape.warps // shape.split * shape.rows(gated))))
     args = (
         src.reshape(src.size),
@@ -511,7 +511,8 @@ SM90_ACCUMULATE = tuple(
 def kernel_bounds(kinds, tokens: int, shape: LaunchShape = DECODE_SHAPE) -> tuple[int, int]:
     """Launch bounds of a layer's kernel (threads, blocks per SM): decode bodies fit 128 registers alone and
     without block scales (DECODE_SHAPE); block-scale factors, several bodies in one kernel (their live ranges
-    meet at the dispatch), or rows split over warps spill there and get a block less; token tiles TILE_BLOCKS_PER_SM blocks of WARPS warps."""
+    meet at the dispatch), or rows split over warps spill there and get a block less; token tiles
+    TILE_BLOCKS_PER_SM blocks of WARPS warps."""
     threads = shape.warps * WARP
     if tokens > 1:
         return threads, max(1, TILE_BLOCKS_PER_SM * WARPS // shape.warps)
@@ -539,10 +540,9 @@ def sm90_signatures():
     ]
     # one-token rows split over 2 and 4 warps (CudaOptions.q8_decode_split): the attention projections' launches
     split = [
-        (_kernel(kinds, False, 1, DECODE_SHAPE._replace(split=parts), accumulate)[0], sm90_signature(),
-         {"launch_bounds": kernel_bounds(kinds, 1, DECODE_SHAPE._replace(split=parts))})
+        (_kernel(kinds, False, 1, shape, accumulate)[0], sm90_signature(), {"launch_bounds": kernel_bounds(kinds, 1, shape)})
         for kinds in (((CODE_INT8, SCALE_CHANNEL),), ((CODE_FP8, SCALE_CHANNEL),))
-        for parts in (2, 4)
+        for shape in (DECODE_SHAPE._replace(split=2), DECODE_SHAPE._replace(split=4))
         for accumulate in (False, True)
     ]
     return stored + added + split

@@ -90,9 +90,9 @@ def test_one_row_split_over_warps_matches_reference(code, accumulate, monkeypatc
 
     rng = np.random.default_rng(7 + code + accumulate)
     n_out = 13
-    built: list[int] = []  # the split of every kernel built
-    kernel = moe_q8._kernel
-    monkeypatch.setattr(moe_q8, "_kernel", lambda *key: (built.append(key[3].split), kernel(*key))[1])
+    from tests.expert_service.kernels.test_moe_q8 import built_kernels
+
+    built = built_kernels(monkeypatch)
     for K, want_split in ((1024, 2), (2048 + 16, 4)):  # 2048 + 16: 129 chunks, parts of 64, 64, 1 and none
         block, meta, codes, scale = matrix_block(rng, code, n_out, K)
         shape = moe_q8.LaunchShape(4, 1, 2, 1, 4, split=4)
@@ -111,7 +111,7 @@ def test_one_row_split_over_warps_matches_reference(code, accumulate, monkeypatc
             args = (cuda.to_device(block), cuda.to_device(meta), code, n_out, out, bounds, first)
             launch_linear_q8(cuda.to_device(x), *args, accumulate=accumulate, shape=launch_shape)
             outs.append(out.copy_to_host())
-        assert built == [1, want_split]  # the launch split as split_for says
+        assert [key[3].split for key in built] == [1, want_split]  # the launch split as split_for says
         ref = linear_q8_reference(x, codes, scale, code) + (base if accumulate else 0)
         assert np.isfinite(outs[1]).all()
         np.testing.assert_allclose(outs[1], ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
