@@ -224,11 +224,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="int8,fp8")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--copies", type=int, default=None, help="layers of weights a graph cycles through")
-    parser.add_argument(
-        "--q8-shapes",
-        default="",
-        help="NAME=W/RG/RD/U/WPS[/S],... weight-stream launch shapes to compare (S: split, CudaOptions.q8_decode_split)",
-    )
+    parser.add_argument("--q8-shapes", default="", help="NAME=W/RG/RD/U/WPS,... weight-stream launch shapes to compare")
     hbm_rate.add_argument(parser)
     args = parser.parse_args(argv)
     shapes, dtypes, q8_shapes = shapes_dtypes_q8_shapes(parser, args, SHAPES)

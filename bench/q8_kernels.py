@@ -102,16 +102,15 @@ def shapes_dtypes_q8_shapes(parser: argparse.ArgumentParser, args, known: dict) 
 
 
 def parse_q8_shapes(text: str) -> dict:
-    """'NAME=W/RG/RD/U/WPS[/S],...' -> {name: moe_q8.LaunchShape} (S: the most warps a row group splits into at one
-    token, default 1)."""
+    """'NAME=W/RG/RD/U/WPS,...' -> {name: moe_q8.LaunchShape}."""
     from expert_service.kernels.moe_q8 import LaunchShape
 
     out = {}
     for item in filter(None, text.split(",")):
         name, _, spec = item.partition("=")
         fields = spec.split("/")
-        if not name or len(fields) not in (5, 6) or not all(f.isdigit() and int(f) > 0 for f in fields):
-            raise ValueError(f"--q8-shapes: {item!r} is not NAME=W/RG/RD/U/WPS[/S] (five or six positive integers)")
+        if not name or len(fields) != 5 or not all(f.isdigit() and int(f) > 0 for f in fields):
+            raise ValueError(f"--q8-shapes: {item!r} is not NAME=W/RG/RD/U/WPS (five positive integers)")
         out[name] = LaunchShape(*map(int, fields))
     return out
 
@@ -308,9 +307,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="int8,fp8")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=16, help="tokens of the grouped (b > 1) decode step")
-    parser.add_argument(
-        "--q8-shapes", default="", help="NAME=W/RG/RD/U/WPS[/S],... moe_q8 b=1 launch shapes to compare"
-    )
+    parser.add_argument("--q8-shapes", default="", help="NAME=W/RG/RD/U/WPS,... moe_q8 b=1 launch shapes to compare")
     hbm_rate.add_argument(parser)
     args = parser.parse_args(argv)
     shapes, dtypes, q8_shapes = shapes_dtypes_q8_shapes(parser, args, SHAPES)

@@ -19,7 +19,6 @@ import numpy as np
 from expert_service.cuda.linear_8bit import EightBitRows
 from expert_service.cuda.weights import Projections8Bit
 from expert_service.kernels import elementwise
-from expert_service.kernels.moe_q8 import DECODE_SHAPE
 
 
 class DeviceAttention8Bit:
@@ -66,12 +65,11 @@ class DeviceAttention8Bit:
         return None
 
     def use_options(self, options) -> None:
-        """CudaOptions.attention_8bit_dense_rows and q8_decode_split for the passes that follow (refused, one line,
-        where `refusal` says so)."""
+        """CudaOptions.attention_8bit_dense_rows for the passes that follow (refused, one line, where `refusal`
+        says so)."""
         if (why := self.refusal(options)) is not None:
             raise ValueError(why)
         self.rows.use_dense_rows(options.attention_8bit_dense_rows)
-        self.rows.stream_shape = DECODE_SHAPE._replace(split=options.q8_decode_split)
 
     def warmup_rows(self) -> tuple[int, ...]:
         """The forward passes' token counts that load every kernel the projections launch (each layer's are the

@@ -73,7 +73,6 @@ class CudaModel:
             rows = workspace.hidden.shape[0]
             dense_rows = options.attention_8bit_dense_rows
             self.attention_8bit = DeviceAttention8Bit(weights.attention_8bit, weights, rows, stream, linear, dense_rows)
-            self.attention_8bit.use_options(options)
         self.moe = DeviceMoe(
             config, weights, workspace, linear, stream, cached, options=options, planned=planned, host_break=host_break
         )

@@ -130,15 +130,9 @@ class CudaOptions:
     # at 512; qwen3moe-shape 55 / 55, 56 / 60, 58 / 79, 85 / 237 (bench/attention_8bit.py). 0: never. The
     # scratch is laid out only when the engine's value widens some step it can take.
     attention_8bit_dense_rows: int = 64
-    # one-token steps of 8-bit attention projections split each row over up to this many warps of a block where the
-    # matrix has too few rows to keep ~2,048 warps streaming (moe_q8.split_for; at most the block's 4 warps): the
-    # bf16 GEMV's way to more loads in flight. 1: never (until measured; its sums meet in another order, so the
-    # logits move within float32 rounding)
-    q8_decode_split: int = 1
 
     def __post_init__(self) -> None:
-        positive = ("q8_mma_min_tokens", "q8_mma_max_tokens", "q8_mma_max_tokens_few_experts", "w8a8_min_rows")
-        for name in (*positive, "q8_decode_split"):
+        for name in ("q8_mma_min_tokens", "q8_mma_max_tokens", "q8_mma_max_tokens_few_experts", "w8a8_min_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cuda_options.{name}: must be a positive integer, got {value!r}")

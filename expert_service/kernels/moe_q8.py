@@ -52,7 +52,6 @@ from expert_service.kernels.expert_quant import (
     fp8x4,
     int8x4,
 )
-from expert_service.kernels.gemv import TARGET_WARPS  # a one-token launch splits rows until this many warps stream
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, check_array, f16_to_f32, silu, u32_as_f32, warp_sum
 from expert_service.kernels.ptx import ld_stream_v4, ld_v4
@@ -84,40 +83,20 @@ assert 1 << BLOCK_SHIFT == SCALE_BLOCK_SIZE
 
 class LaunchShape(NamedTuple):
     """How a launch spreads its rows: warps a block, gate rows (and as many up rows) a warp, down rows a warp,
-    16-byte chunks a row in flight a lane (one-token launches; token tiles take 1), the warps an SM is compiled
-    to hold (launch bounds: registers = 65536 / (32 x warps_per_sm)), and split: at most this many warps of a
-    block share a row group at one token, each over a contiguous part of the row (`split_for` picks the count per
-    matrix: more warps for matrices of few rows; their sums meet in shared memory in part order)."""
+    16-byte chunks a row in flight a lane (one-token launches; token tiles take 1), and the warps an SM is
+    compiled to hold (launch bounds: registers = 65536 / (32 x warps_per_sm))."""
 
     warps: int
     rows_gated: int
     rows_down: int
     unroll: int
     warps_per_sm: int
-    split: int = 1
 
     def rows(self, gated: bool) -> int:
         return self.rows_gated if gated else self.rows_down
 
 
 DECODE_SHAPE = LaunchShape(WARPS, ROWS_GATED, ROWS_DOWN, UNROLL, WARPS * DECODE_BLOCKS_PER_SM)
-
-
-def split_for(shape: LaunchShape, n_rows: int, n_in: int, slots: int, gated: bool, value_bytes: int) -> int:
-    """Warps a row group splits into (a power of two up to shape.split that divides shape.warps) for a one-token
-    launch of `slots` block columns over n_rows rows of n_in values of value_bytes each: doubled while the launch has
-    fewer than TARGET_WARPS warps and each part keeps at least one full step of loads (32 lanes x unroll chunks)."""
-    chunks = n_in * value_bytes // CHUNK_BYTES
-    warps = slots * -(-n_rows // shape.rows(gated))
-    split = 1
-    while (
-        split * 2 <= shape.split
-        and shape.warps % (split * 2) == 0  # a block holds whole row groups
-        and warps * split < TARGET_WARPS
-        and chunks >= 2 * split * WARP * shape.unroll
-    ):
-        split *= 2
-    return split
 
 
 
@@ -176,10 +155,6 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
     expert e, its block and its positions [start, end)). accumulate (down only): out += the sums instead of =."""
     rows = shape.rows(gated)
     warps = shape.warps
-    split = shape.split if tokens == 1 else 1  # warps sharing a row group (one-token launches: one pass)
-    if warps % split:
-        raise ValueError(f"a block of {warps} warps cannot hold row groups of {split}")
-    groups = warps // split  # row groups a block
     nw = 2 * rows if gated else rows  # weight rows one warp streams
     quads = 4 // element_bytes(code)  # 4-value quads per 16-byte chunk
     vals = 4 * quads  # values per chunk
@@ -187,10 +162,9 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
     unroll = shape.unroll if tokens == 1 else 1  # a token tile reuses each load `tokens` times: registers go to x and sums
     n_raw = nw * unroll
     quad = _quad_decoder(code)
-    partial_shape = (warps, nw) if split > 1 else (1, 1)  # split warps' sums, met in shared memory
 
     @cuda.jit(device=True, inline=True)
-    def chunk_step(src, xrow, n_in, words, scales, roff, sidx, c0, end, checked, raw, factor, xq, psum, acc):
+    def chunk_step(src, xrow, n_in, words, scales, roff, sidx, c0, end, checked, raw, factor, xq, part, acc):
         """Chunks c0 + 32u (u < unroll) of the warp's nw rows times `tokens` x rows into acc [nw, tokens]. Every
         weight load (and block scale) is issued before the first FMA; checked (constant at each call site):
         chunks at or past `end` count as zeros, only in the last partial step."""
@@ -213,7 +187,7 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
             ok = not checked or c < end
             for i in range(nw):
                 for t in range(tokens):
-                    psum[i, t] = np.float32(0.0)
+                    part[i, t] = np.float32(0.0)
             for q in range(quads):
                 for t in range(tokens):
                     if ok:
@@ -224,46 +198,35 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
                 for i in range(nw):
                     w0, w1, w2, w3 = quad(raw, i * unroll + u, q)
                     for t in range(tokens):
-                        psum[i, t] += w0 * xq[t, 0] + w1 * xq[t, 1] + w2 * xq[t, 2] + w3 * xq[t, 3]
+                        part[i, t] += w0 * xq[t, 0] + w1 * xq[t, 1] + w2 * xq[t, 2] + w3 * xq[t, 3]
             for i in range(nw):
                 for t in range(tokens):
-                    acc[i, t] += factor[i * unroll + u] * psum[i, t]
+                    acc[i, t] += factor[i * unroll + u] * part[i, t]
 
     @cuda.jit(device=True, inline=True)
     def body(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out):
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
-        part = warp % split  # this warp's part of its group's rows
         base = block * stride
         roff = cuda.local.array(nw, np.int64)  # word offset of each weight row
         sidx = cuda.local.array(nw, np.int64)  # float index of its channel scale, or of its first block scale
         raw = cuda.local.array((n_raw, WORDS), np.uint32)
         factor = cuda.local.array(n_raw, np.float32)
         xq = cuda.local.array((tokens, 4), np.float32)
-        psum = cuda.local.array((nw, tokens), np.float32)
+        part = cuda.local.array((nw, tokens), np.float32)
         acc = cuda.local.array((nw, tokens), np.float32)
-        partials = cuda.shared.array(partial_shape, np.float32)
         xrow = cuda.local.array(tokens, np.int64)
         n_cb = (n_in + SCALE_BLOCK_SIZE - 1) // SCALE_BLOCK_SIZE
-        row0 = (cuda.blockIdx.y * groups + warp // split) * rows
+        row0 = (cuda.blockIdx.y * warps + warp) * rows
         for i in range(nw):
             m = (0 if i < rows else 1) if gated else 2  # gate, up, down
             row = min(row0 + i % rows, n_rows - 1)  # rows past the end re-read the last row, never written
             roff[i] = (base + meta[e, 2 + m] + row * n_in * nb) // 4
             s0 = (base + meta[e, 5 + m]) // 4
             sidx[i] = s0 + row if scheme == SCALE_CHANNEL else s0 + (row // SCALE_BLOCK_SIZE) * n_cb
+        n_chunks = n_in // vals
         step = WARP * unroll
-        if split == 1:  # (a compile-time branch: unsplit launches keep their registers)
-            lo = 0
-            n_chunks = n_in // vals
-            full = n_chunks // step * step
-        else:  # this warp's chunks [lo, n_chunks): whole steps a part, the last part shorter
-            row_chunks = n_in // vals
-            per = -(-row_chunks // split)
-            per = -(-per // step) * step
-            lo = part * per
-            n_chunks = min(row_chunks, lo + per)
-            full = lo + max(n_chunks - lo, 0) // step * step
+        full = n_chunks // step * step
         for p0 in range(start, end, tokens):
             ntok = min(tokens, end - p0)
             for t in range(tokens):
@@ -274,26 +237,15 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
                     xrow[t] = order[p] // top_k if gated else p
                 for i in range(nw):
                     acc[i, t] = np.float32(0.0)
-            for c0 in range(lo + lane, full, step):
-                chunk_step(src, xrow, n_in, words, scales, roff, sidx, c0, n_chunks, False, raw, factor, xq, psum, acc)
+            for c0 in range(lane, full, step):
+                chunk_step(src, xrow, n_in, words, scales, roff, sidx, c0, n_chunks, False, raw, factor, xq, part, acc)
             if full < n_chunks:
                 last = full + lane
-                chunk_step(src, xrow, n_in, words, scales, roff, sidx, last, n_chunks, True, raw, factor, xq, psum, acc)
+                chunk_step(src, xrow, n_in, words, scales, roff, sidx, last, n_chunks, True, raw, factor, xq, part, acc)
             for i in range(nw):
                 for t in range(tokens):
                     acc[i, t] = warp_sum(acc[i, t])
-            if split > 1:  # one pass (tokens == 1): the group's parts added in part order by its first warp
-                if lane == 0:
-                    for i in range(nw):
-                        partials[warp, i] = acc[i, 0]
-                cuda.syncthreads()
-                if part == 0:
-                    for i in range(nw):
-                        total = partials[warp, i]
-                        for q in range(1, split):
-                            total += partials[warp + q, i]
-                        acc[i, 0] = total
-            if lane == 0 and part == 0:
+            if lane == 0:
                 for r in range(rows):
                     row = row0 + r
                     for t in range(tokens):
@@ -418,11 +370,7 @@ def _launch(
     by_slot = ids is not None
     slots = ids.size if by_slot else offsets.shape[0] - 1
     dummy = meta.reshape(meta.size)[:1]
-    if shape.split > 1:  # one-token launches split rows over warps as the matrix needs (by the narrowest encoding
-        # of the layer's kinds, whose rows have the fewest chunks); token tiles never (one pass a tile)
-        narrowest = min(element_bytes(code) for code, _ in kinds)
-        shape = shape._replace(split=split_for(shape, n_rows, n_in, slots, gated, narrowest) if by_slot else 1)
-    grid = (slots, -(-n_rows // (shape.warps // shape.split * shape.rows(gated))))
+    grid = (slots, -(-n_rows // (shape.warps * shape.rows(gated))))
     args = (
         src.reshape(src.size),
         order if order is not None else dummy,
@@ -510,14 +458,13 @@ SM90_ACCUMULATE = tuple(
 
 def kernel_bounds(kinds, tokens: int, shape: LaunchShape = DECODE_SHAPE) -> tuple[int, int]:
     """Launch bounds of a layer's kernel (threads, blocks per SM): decode bodies fit 128 registers alone and
-    without block scales (DECODE_SHAPE); block-scale factors, several bodies in one kernel (their live ranges
-    meet at the dispatch), or rows split over warps spill there and get a block less; token tiles
-    TILE_BLOCKS_PER_SM blocks of WARPS warps."""
+    without block scales (DECODE_SHAPE); block-scale factors, or several bodies in one kernel (their live ranges
+    meet at the dispatch), spill there and get a block less; token tiles TILE_BLOCKS_PER_SM blocks of WARPS warps."""
     threads = shape.warps * WARP
     if tokens > 1:
         return threads, max(1, TILE_BLOCKS_PER_SM * WARPS // shape.warps)
     blocks = max(1, shape.warps_per_sm // shape.warps)
-    alone = len(kinds) == 1 and kinds[0][1] != SCALE_BLOCK and shape.split == 1  # split rows: a few live values more
+    alone = len(kinds) == 1 and kinds[0][1] != SCALE_BLOCK
     return threads, blocks if alone else max(1, blocks - 1)
 
 
@@ -538,11 +485,4 @@ def sm90_signatures():
          {"launch_bounds": kernel_bounds(kinds, tokens)})
         for kinds, tokens in SM90_ACCUMULATE
     ]
-    # one-token rows split over 2 and 4 warps (CudaOptions.q8_decode_split): the attention projections' launches
-    split = [
-        (_kernel(kinds, False, 1, shape, accumulate)[0], sm90_signature(), {"launch_bounds": kernel_bounds(kinds, 1, shape)})
-        for kinds in (((CODE_INT8, SCALE_CHANNEL),), ((CODE_FP8, SCALE_CHANNEL),))
-        for shape in (DECODE_SHAPE._replace(split=2), DECODE_SHAPE._replace(split=4))
-        for accumulate in (False, True)
-    ]
-    return stored + added + split
+    return stored + added

@@ -100,16 +100,3 @@ def test_thresholds_without_a_scratch_are_refused_in_one_line():
     )
     laid_out, _, _, _ = attention(4)
     assert laid_out.refusal(dataclasses.replace(CudaOptions(), attention_8bit_dense_rows=2)) is None
-
-
-def test_the_split_option_reaches_the_weight_stream():
-    """CudaOptions.q8_decode_split sets the most warps a one-token projection's row group splits into (moe_q8
-    picks the count per matrix), from the next pass on, and back."""
-    att, _, _, _ = attention(0)
-    assert att.rows.stream_shape.split == 1
-    att.use_options(CudaOptions(q8_decode_split=4))
-    assert att.rows.stream_shape.split == 4
-    att.use_options(CudaOptions())
-    assert att.rows.stream_shape.split == 1
-    with pytest.raises(ValueError, match=r"^cuda_options.q8_decode_split: must be a positive integer, got 0$"):
-        CudaOptions(q8_decode_split=0)
