@@ -212,10 +212,22 @@ class CudaModel:
                 splits = shared_split_count(cfg, S, ws.share_members.shape[1])
                 shared_out, shared_ml = shared_split_views(ws, cfg, S, splits)
                 launch_attention_decode_shared(
-                    *paged, *groups, window, scale, attn3, part_out, part_ml, shared_out, shared_ml, stream=st
+                    *paged,
+                    *groups,
+                    window,
+                    scale,
+                    attn3,
+                    part_out,
+                    part_ml,
+                    shared_out,
+                    shared_ml,
+                    stream=st,
+                    min_keys=self.options.decode_part_keys,
                 )
             else:
-                attend(*paged, window, scale, attn3, part_out, part_ml, stream=st)
+                attend(
+                    *paged, window, scale, attn3, part_out, part_ml, stream=st, min_keys=self.options.decode_part_keys
+                )
         else:
             launch_attention_prefill_fastest(
                 q3,

@@ -258,11 +258,13 @@ def launch_attention_decode_tiled(q, k_pool, v_pool, block_tables, context_lens,
 
 
 def launch_attention_decode_fastest(q, k_pool, v_pool, block_tables, context_lens, positions, window: int,
-                                    scale: float, out, part_out=None, part_ml=None, stream=0) -> None:
+                                    scale: float, out, part_out=None, part_ml=None, stream=0,
+                                    min_keys: int = MIN_PART_KEYS) -> None:
     """launch_attention_decode's arguments: this kernel where `supports` holds, attention_decode otherwise."""
     tiled = supports(k_pool.dtype, q.shape[2], k_pool.shape[1])
     launch = launch_attention_decode_tiled if tiled else launch_attention_decode
-    launch(q, k_pool, v_pool, block_tables, context_lens, positions, window, scale, out, part_out, part_ml, stream)
+    launch(q, k_pool, v_pool, block_tables, context_lens, positions, window, scale, out, part_out, part_ml, stream,
+           min_keys=min_keys)
 
 
 def sm90_signatures():

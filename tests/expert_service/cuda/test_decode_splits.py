@@ -1,6 +1,6 @@
 """Decode attention's split-K parts per step (CudaOptions.decode_splits_per_step, GPU only): with the option on, a
 decode step of S sequences takes decode_splits(S) parts instead of the largest batch's, and each sequence uses as
-many as its context needs. Long prompts (so every allowed part is used) decoded for a few steps, one sequence and
+many as its context needs; with decode_part_keys 32 too, parts of one key tile (a 70-token context: 3 parts, not 2). Long prompts (so every allowed part is used) decoded for a few steps, one sequence and
 three, on an fp32 model (attention_decode) and a bf16 one (attention_decode_tiled at one sequence, the tensor-core
 kernel at three): against the option off, the same greedy tokens and logits within float32 rounding (fp32; only the
 order of the softmax sums differs) or the first decode's logits within bf16 tolerance (bf16: later tokens may part
@@ -26,7 +26,10 @@ pytestmark = pytest.mark.gpu
 CFG = dict(kv_block_size=16, kv_cache_tokens=8192, max_batch_tokens=1024, max_batch_size=128)
 PROMPTS = {1: (900,), 3: (900, 70, 530)}
 DECODES = 3
-ON = CudaOptions(decode_splits_per_step=True)
+ON = {
+    "per_step": CudaOptions(decode_splits_per_step=True),
+    "per_step_tile_parts": CudaOptions(decode_splits_per_step=True, decode_part_keys=32),
+}
 
 
 @pytest.fixture(scope="module", params=["fp32", "bf16"])
@@ -55,12 +58,13 @@ def decode(engine, lengths):
     return steps
 
 
+@pytest.mark.parametrize("on", sorted(ON))
 @pytest.mark.parametrize("seqs", sorted(PROMPTS))
-def test_per_step_parts_equal_the_largest_batchs(model, seqs):
+def test_per_step_parts_equal_the_largest_batchs(model, seqs, on):
     dtype, model = model
     config = open_engine(model, cuda_graphs=False).model_config
     assert decode_split_count(config, seqs) > decode_split_count(config, CFG["max_batch_size"])  # a real change
-    eager = open_engine(model, cuda_graphs=False, cuda_options=ON)
+    eager = open_engine(model, cuda_graphs=False, cuda_options=ON[on])
     per_step = decode(eager, PROMPTS[seqs])
     eager.decoder.set_options(CudaOptions())
     fixed = decode(eager, PROMPTS[seqs])
@@ -68,7 +72,7 @@ def test_per_step_parts_equal_the_largest_batchs(model, seqs):
     for i, ((tokens, logits), (want_tokens, want)) in enumerate(zip(compared, fixed)):
         assert rel_error(logits, want) <= (1e-4 if dtype == "fp32" else 1e-2), f"{dtype}, {seqs} sequences, decode {i}"
         assert dtype != "fp32" or tokens == want_tokens, f"{seqs} sequences, decode {i}"
-    graphs = open_engine(model, cuda_options=ON)
+    graphs = open_engine(model, cuda_options=ON[on])
     replayed = decode(graphs, PROMPTS[seqs])
     assert graphs.decoder.graphs, "decode steps did not replay a graph"
     for i, ((tokens, logits), (want_tokens, want)) in enumerate(zip(replayed, per_step)):

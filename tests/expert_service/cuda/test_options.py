@@ -33,6 +33,12 @@ def test_thresholds_come_from_a_config_file_and_are_checked():
         with pytest.raises(ConfigError) as error:
             resolve(EngineConfig, file_values={"cuda_options": {name: -1}}, env={})
         assert str(error.value) == f"cuda_options.{name}: must be an integer >= 0, got -1"
+    config = resolve(EngineConfig, file_values={"cuda_options": {"decode_part_keys": 96}}, env={})
+    assert config.cuda_options.decode_part_keys == 96  # whole key tiles of 32
+    for bad in (0, 16, 48, -32, True):
+        with pytest.raises(ConfigError) as error:
+            resolve(EngineConfig, file_values={"cuda_options": {"decode_part_keys": bad}}, env={})
+        assert str(error.value) == f"cuda_options.decode_part_keys: must be a positive multiple of 32, got {bad!r}"
     # a YAML file's values arrive as the text written, read by the settings' rule for numbers
     config = resolve(EngineConfig, file_values={"cuda_options": {"q8_mma_max_tokens": "8"}}, env={})
     assert config.cuda_options.q8_mma_max_tokens == 8
