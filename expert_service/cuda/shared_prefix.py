@@ -13,7 +13,8 @@ from expert_service.kernels.attention_decode_mma import supports
 from expert_service.kernels.attention_decode_shared import max_members
 
 # A prefix shorter than this many keys is attended per sequence: its partial would cost the merge more than reading
-# it once saves (a split part of attention_decode_mma holds at least as many). Not tuned on the GPU.
+# it once saves (a split part of attention_decode_mma holds as many by default, CudaOptions.decode_part_keys). Not
+# tuned on the GPU.
 MIN_SHARED_KEYS = 64
 
 

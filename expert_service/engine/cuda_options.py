@@ -43,9 +43,9 @@ class CudaOptions:
     # context in 2 blocks per head group)
     decode_splits_per_step: bool = False
     # the fewest keys a decode-attention split part holds (a multiple of 32, the tiled and tensor-core kernels' key
-    # tile): a short context is cut into fewer, longer parts. 64: one sequence over 128 tokens runs 2 parts of 2 tiles
-    # a head group; 32 (with decode_splits_per_step) gives it 4 parts of one tile, twice the blocks, each half the
-    # serial work, for a reduce of 4 parts instead of 2 (docs/kernels.md, "Split-K parts per step")
+    # tile): a short context is cut into fewer, longer parts. 64: one sequence over 129 keys runs parts of 65 and 64
+    # keys (3 and 2 tiles one after another); 32 (with decode_splits_per_step) 5 parts of at most one tile, for a
+    # reduce of 5 parts instead of 2 (docs/kernels.md, "Parts of one key tile"); not measured yet
     decode_part_keys: int = 64
     # EXPERIMENTAL: decode steps whose sequences share cached prompt blocks (a system prompt, the samples of one
     # request) attend those blocks once per group of up to 16 / (heads per kv head) sequences, their query heads side
@@ -142,7 +142,7 @@ class CudaOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cuda_options.{name}: must be a positive integer, got {value!r}")
         keys = self.decode_part_keys
-        if isinstance(keys, bool) or not isinstance(keys, int) or keys < 32 or keys % 32:
+        if isinstance(keys, bool) or not isinstance(keys, int) or not 32 <= keys < 1 << 31 or keys % 32:
             raise ValueError(f"cuda_options.decode_part_keys: must be a positive multiple of 32, got {keys!r}")
         for name in ("grouped_mma_max_tokens_few_experts", "attention_8bit_dense_rows"):
             value = getattr(self, name)

@@ -1,16 +1,20 @@
 """Decode attention's split-K parts per step (CudaOptions.decode_splits_per_step, GPU only): with the option on, a
 decode step of S sequences takes decode_splits(S) parts instead of the largest batch's, and each sequence uses as
-many as its context needs; with decode_part_keys 32 too, parts of one key tile (a 70-token context: 3 parts, not 2). Long prompts (so every allowed part is used) decoded for a few steps, one sequence and
+many as its context needs; with decode_part_keys 32 too, parts of one key tile (a 70-token context: 3 parts, not 2;
+one sequence over 100: 4, not 2), the value reaching every decode-attention launch. Long prompts (so every allowed part is used) decoded for a few steps, one sequence and
 three, on an fp32 model (attention_decode) and a bf16 one (attention_decode_tiled at one sequence, the tensor-core
 kernel at three): against the option off, the same greedy tokens and logits within float32 rounding (fp32; only the
 order of the softmax sums differs) or the first decode's logits within bf16 tolerance (bf16: later tokens may part
 at a near tie); graph replay equal to eager passes bit for bit."""
+
+import contextlib
 
 import numpy as np
 import pytest
 
 from common.model_format import ModelDir
 from expert_service.backends import build_engine
+from expert_service.cuda import model as cuda_model
 from expert_service.cuda.workspace import decode_split_count
 from expert_service.engine.config import EngineConfig
 from expert_service.engine.cuda_options import CudaOptions
@@ -25,6 +29,7 @@ pytestmark = pytest.mark.gpu
 # parts of 256 keys)
 CFG = dict(kv_block_size=16, kv_cache_tokens=8192, max_batch_tokens=1024, max_batch_size=128)
 PROMPTS = {1: (900,), 3: (900, 70, 530)}
+SHORT = {1: (100,), 3: (900, 70, 530)}  # the tile parts' prompts: one sequence over a short context
 DECODES = 3
 ON = {
     "per_step": CudaOptions(decode_splits_per_step=True),
@@ -44,6 +49,22 @@ def open_engine(path, **overrides):
     return build_engine(ModelDir.open(path), EngineConfig(**{**CFG, "backend": "cuda", **overrides}))
 
 
+@contextlib.contextmanager
+def spy_part_keys(monkeypatch):
+    """The min_keys of every decode-attention launch the engine makes inside the block (eager steps)."""
+    seen = []
+    for name in ("launch_attention_decode_fastest", "launch_attention_decode", "launch_attention_decode_mma"):
+        real = getattr(cuda_model, name)
+
+        def spy(*args, _real=real, **kwargs):
+            seen.append(kwargs["min_keys"])
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(cuda_model, name, spy)
+    yield seen
+    monkeypatch.undo()
+
+
 def decode(engine, lengths):
     """Prefill the prompts (one per step, each within the step budget), then DECODES steps of all of them:
     per decode step (tokens, logits [S, V])."""
@@ -60,20 +81,25 @@ def decode(engine, lengths):
 
 @pytest.mark.parametrize("on", sorted(ON))
 @pytest.mark.parametrize("seqs", sorted(PROMPTS))
-def test_per_step_parts_equal_the_largest_batchs(model, seqs, on):
+def test_per_step_parts_equal_the_largest_batchs(model, seqs, on, monkeypatch):
     dtype, model = model
     config = open_engine(model, cuda_graphs=False).model_config
     assert decode_split_count(config, seqs) > decode_split_count(config, CFG["max_batch_size"])  # a real change
+    prompts = (SHORT if on == "per_step_tile_parts" else PROMPTS)[seqs]
     eager = open_engine(model, cuda_graphs=False, cuda_options=ON[on])
-    per_step = decode(eager, PROMPTS[seqs])
+    with spy_part_keys(monkeypatch) as seen:
+        per_step = decode(eager, prompts)
+    assert seen and set(seen) == {ON[on].decode_part_keys}, seen
     eager.decoder.set_options(CudaOptions())
-    fixed = decode(eager, PROMPTS[seqs])
+    with spy_part_keys(monkeypatch) as seen:
+        fixed = decode(eager, prompts)
+    assert seen and set(seen) == {CudaOptions().decode_part_keys}, seen
     compared = per_step if dtype == "fp32" else per_step[:1]
     for i, ((tokens, logits), (want_tokens, want)) in enumerate(zip(compared, fixed)):
         assert rel_error(logits, want) <= (1e-4 if dtype == "fp32" else 1e-2), f"{dtype}, {seqs} sequences, decode {i}"
         assert dtype != "fp32" or tokens == want_tokens, f"{seqs} sequences, decode {i}"
     graphs = open_engine(model, cuda_options=ON[on])
-    replayed = decode(graphs, PROMPTS[seqs])
+    replayed = decode(graphs, prompts)
     assert graphs.decoder.graphs, "decode steps did not replay a graph"
     for i, ((tokens, logits), (want_tokens, want)) in enumerate(zip(replayed, per_step)):
         assert tokens == want_tokens and np.array_equal(logits, want), f"{dtype}, {seqs} sequences, decode {i}: replay"
