@@ -9,7 +9,7 @@ q|k|v and o_proj at a step of R rows.
          attention_8bit_dense_rows rows each matrix widened into a bf16 scratch for cuBLAS; beside it "-widened"
          (widened at every row count), "-gemm" (the 8-bit GEMM where the engine widens), "-whole" (the GEMM never
          split) and "-stream" (linear_q8 at every row count, one pass over the weights a tile of 4 rows) up to 64
-         rows, and at up to 4 rows each --q8-shapes NAME=W/RG/RD/U/WPS launch shape of the weight stream
+         rows, and at up to 4 rows each --q8-shapes NAME=W/RG/RD/U/WPS[/L] launch shape of the weight stream
          (moe_q8.LaunchShape).
 
 Per row count: GPU microseconds per layer (the launches of --copies layers of distinct random weights captured in
@@ -224,7 +224,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="int8,fp8")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--copies", type=int, default=None, help="layers of weights a graph cycles through")
-    parser.add_argument("--q8-shapes", default="", help="NAME=W/RG/RD/U/WPS,... weight-stream launch shapes to compare")
+    parser.add_argument(
+        "--q8-shapes",
+        default="",
+        help="NAME=W/RG/RD/U/WPS[/L],... weight-stream launch shapes to compare (L=1: late scales)",
+    )
     hbm_rate.add_argument(parser)
     args = parser.parse_args(argv)
     shapes, dtypes, q8_shapes = shapes_dtypes_q8_shapes(parser, args, SHAPES)

@@ -5,8 +5,9 @@ MoE layer of random experts at a reference shape, in one run on one GPU:
               launch_expert_gate_up/down on the same experts in bf16; int8 also on int8 activations (moe_q8_dp4a);
   decode b=16: moe_q8 grouped (--tokens, K each), new vs old; int8 also on int8 activations (moe_q8_dp4a_grouped);
   dequant: dequant_experts of a group of active experts into the bf16 scratch (CUBLAS_PER_EXPERT's pass), new vs old;
-  --q8-shapes NAME=W/RG/RD/U/WPS,...: moe_q8's b=1 launch under other launch shapes (warps a block, gate rows a
-              warp, down rows a warp, chunks in flight a lane, warps an SM: moe_q8.LaunchShape) beside the
+  --q8-shapes NAME=W/RG/RD/U/WPS[/L],...: moe_q8's b=1 launch under other launch shapes (warps a block, gate rows a
+              warp, down rows a warp, chunks in flight a lane, warps an SM, 1: channel scales read late:
+              moe_q8.LaunchShape) beside the
               default's, outputs compared bitwise (a lane's chunks and their order do not depend on the shape).
 
 Per kernel: GPU microseconds per launch (--iters launches captured in one CUDA graph, replayed between two
@@ -102,15 +103,18 @@ def shapes_dtypes_q8_shapes(parser: argparse.ArgumentParser, args, known: dict) 
 
 
 def parse_q8_shapes(text: str) -> dict:
-    """'NAME=W/RG/RD/U/WPS,...' -> {name: moe_q8.LaunchShape}."""
+    """'NAME=W/RG/RD/U/WPS[/L],...' -> {name: moe_q8.LaunchShape} (L: late_scales, 0 or 1)."""
     from expert_service.kernels.moe_q8 import LaunchShape
 
     out = {}
     for item in filter(None, text.split(",")):
         name, _, spec = item.partition("=")
         fields = spec.split("/")
-        if not name or len(fields) != 5 or not all(f.isdigit() and int(f) > 0 for f in fields):
-            raise ValueError(f"--q8-shapes: {item!r} is not NAME=W/RG/RD/U/WPS (five positive integers)")
+        shape_ok = len(fields) in (5, 6) and all(f.isdigit() and int(f) > 0 for f in fields[:5])
+        if not name or not shape_ok or (len(fields) == 6 and fields[5] not in ("0", "1")):
+            raise ValueError(
+                f"--q8-shapes: {item!r} is not NAME=W/RG/RD/U/WPS[/L] (five positive integers, then 0 or 1)"
+            )
         out[name] = LaunchShape(*map(int, fields))
     return out
 
@@ -307,7 +311,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="int8,fp8")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=16, help="tokens of the grouped (b > 1) decode step")
-    parser.add_argument("--q8-shapes", default="", help="NAME=W/RG/RD/U/WPS,... moe_q8 b=1 launch shapes to compare")
+    parser.add_argument(
+        "--q8-shapes",
+        default="",
+        help="NAME=W/RG/RD/U/WPS[/L],... moe_q8 b=1 launch shapes to compare (L=1: late scales)",
+    )
     hbm_rate.add_argument(parser)
     args = parser.parse_args(argv)
     shapes, dtypes, q8_shapes = shapes_dtypes_q8_shapes(parser, args, SHAPES)

@@ -84,13 +84,15 @@ assert 1 << BLOCK_SHIFT == SCALE_BLOCK_SIZE
 class LaunchShape(NamedTuple):
     """How a launch spreads its rows: warps a block, gate rows (and as many up rows) a warp, down rows a warp,
     16-byte chunks a row in flight a lane (one-token launches; token tiles take 1), and the warps an SM is
-    compiled to hold (launch bounds: registers = 65536 / (32 x warps_per_sm))."""
+    compiled to hold (launch bounds: registers = 65536 / (32 x warps_per_sm)); late_scales: 1 reads per-channel
+    scales after the row sums, as kernels did before they were loaded ahead of the stream (for comparisons)."""
 
     warps: int
     rows_gated: int
     rows_down: int
     unroll: int
     warps_per_sm: int
+    late_scales: int = 0
 
     def rows(self, gated: bool) -> int:
         return self.rows_gated if gated else self.rows_down
@@ -162,6 +164,10 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
     unroll = shape.unroll if tokens == 1 else 1  # a token tile reuses each load `tokens` times: registers go to x and sums
     n_raw = nw * unroll
     quad = _quad_decoder(code)
+    # channel scales loaded before the stream, in flight with the weights (read after the row sums they are one
+    # more round trip, often to HBM: the scales are cold); fp8's one-token gate|up is at its 128-register bound
+    # (kernel_bounds) and would spill them, so it reads them in the epilogue
+    early_scales = scheme == SCALE_CHANNEL and not shape.late_scales and not (code == CODE_FP8 and gated and tokens == 1)
 
     @cuda.jit(device=True, inline=True)
     def chunk_step(src, xrow, n_in, words, scales, roff, sidx, c0, end, checked, raw, factor, xq, part, acc):
@@ -216,6 +222,7 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
         part = cuda.local.array((nw, tokens), np.float32)
         acc = cuda.local.array((nw, tokens), np.float32)
         xrow = cuda.local.array(tokens, np.int64)
+        chan = cuda.local.array(nw, np.float32)  # each row's channel scale (early_scales)
         n_cb = (n_in + SCALE_BLOCK_SIZE - 1) // SCALE_BLOCK_SIZE
         row0 = (cuda.blockIdx.y * warps + warp) * rows
         for i in range(nw):
@@ -224,6 +231,8 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
             roff[i] = (base + meta[e, 2 + m] + row * n_in * nb) // 4
             s0 = (base + meta[e, 5 + m]) // 4
             sidx[i] = s0 + row if scheme == SCALE_CHANNEL else s0 + (row // SCALE_BLOCK_SIZE) * n_cb
+            if early_scales:
+                chan[i] = scales[sidx[i]]
         n_chunks = n_in // vals
         step = WARP * unroll
         full = n_chunks // step * step
@@ -252,11 +261,11 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
                         if t < ntok and row < n_rows:
                             a = acc[r, t]
                             if scheme == SCALE_CHANNEL:
-                                a *= scales[sidx[r]]
+                                a *= chan[r] if early_scales else scales[sidx[r]]
                             if gated:
                                 b = acc[rows + r, t]
                                 if scheme == SCALE_CHANNEL:
-                                    b *= scales[sidx[rows + r]]
+                                    b *= chan[rows + r] if early_scales else scales[sidx[rows + r]]
                                 out[p0 + t, row] = silu(a) * b
                             elif accumulate:
                                 out[p0 + t, row] += a

@@ -9,12 +9,15 @@ from expert_service.kernels.moe_q8 import LaunchShape
 
 
 def test_named_launch_shapes_parse_in_order():
-    shapes = parse_q8_shapes("w2=2/2/4/2/16,rg4u1=4/4/4/1/16,")
-    assert list(shapes) == ["w2", "rg4u1"]
+    shapes = parse_q8_shapes("w2=2/2/4/2/16,rg4u1=4/4/4/1/16,late=4/2/4/2/16/1,")
+    assert list(shapes) == ["w2", "rg4u1", "late"]
     assert shapes["w2"] == LaunchShape(2, 2, 4, 2, 16) and shapes["rg4u1"].rows(gated=True) == 4
+    assert shapes["late"].late_scales == 1 and shapes["w2"].late_scales == 0
 
 
-@pytest.mark.parametrize("bad", ["=2/2/4/2/16", "a=2/2/4/2", "a=2/2/4/2/16/1", "a=2/0/4/2/16", "a=2/x/4/2/16"])
+@pytest.mark.parametrize(
+    "bad", ["=2/2/4/2/16", "a=2/2/4/2", "a=2/2/4/2/16/2", "a=2/2/4/2/16/1/1", "a=2/0/4/2/16", "a=2/x/4/2/16"]
+)
 def test_malformed_launch_shapes_are_refused_in_one_line(bad, capsys):
     with pytest.raises(ValueError, match="NAME=W/RG/RD/U/WPS"):
         parse_q8_shapes(bad)

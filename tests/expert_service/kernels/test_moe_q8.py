@@ -188,10 +188,13 @@ def test_long_rows_stream_whole_steps_and_a_tail():
             check_close(got[k], refs[k])
 
 
-@pytest.mark.parametrize("shape", [LaunchShape(2, 1, 2, 1, 4), LaunchShape(1, 3, 1, 2, 3)])
+@pytest.mark.parametrize(
+    "shape", [LaunchShape(2, 1, 2, 1, 4), LaunchShape(1, 3, 1, 2, 3), moe_q8.DECODE_SHAPE._replace(late_scales=1)]
+)
 def test_launch_shapes_give_the_default_bits(shape, monkeypatch):
-    """Another launch shape (warps a block, rows a warp, chunks in flight) changes which warp computes a row, not
-    a lane's chunks or their order: the same bits as the default shape, every row written (rows not a multiple
+    """Another launch shape (warps a block, rows a warp, chunks in flight, channel scales read before the stream
+    or after the sums) changes which warp computes a row or when a scale arrives, not a lane's chunks or their
+    order: the same bits as the default shape, every row written (rows not a multiple
     of a warp's rows included), int8 and block-scaled e4m3 in one layer, by slot."""
     rng = np.random.default_rng(12)
     F, D = 80, 48 * 3
