@@ -8,6 +8,7 @@ from numba import cuda
 
 from expert_service.kernels import expert_quant as q
 from expert_service.kernels.linear_q8 import launch_linear_q8, linear_q8_reference, matrix_meta, row_bounds
+from expert_service.kernels.moe_q8 import DECODE_SHAPE
 
 
 def matrix_block(rng, code, n_out, K):
@@ -78,3 +79,24 @@ def test_refusals():
         matrix_meta(q.CODE_INT8, 64, 8)
     with pytest.raises(ValueError, match="scales start past the matrix"):
         matrix_meta(q.CODE_INT8, 32, 32)
+
+
+@pytest.mark.parametrize("code", [q.CODE_INT8, q.CODE_FP8])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_scales_read_late_give_the_same_bits(code, rows):
+    """LaunchShape.late_scales reads each row's channel scale after its sums instead of before the stream: the same
+    bits, one row (by slot) and a token tile, written and added into out."""
+    rng = np.random.default_rng(7 * code + rows)
+    n_out, K = 21, 64
+    block, meta, _, _ = matrix_block(rng, code, n_out, K)
+    x = cuda.to_device(rng.standard_normal((rows, K)).astype(np.float32))
+    base = rng.standard_normal((rows, n_out)).astype(np.float32)
+    bounds, first = cuda.to_device(row_bounds(4)), cuda.to_device(np.zeros((1, 1), np.int32))
+    args = (cuda.to_device(block), cuda.to_device(meta), code, n_out)
+    for accumulate in (False, True):
+        got = []
+        for shape in (DECODE_SHAPE, DECODE_SHAPE._replace(late_scales=1)):
+            out = cuda.to_device(base)
+            launch_linear_q8(x, *args, out, bounds, first, accumulate=accumulate, shape=shape)
+            got.append(out.copy_to_host())
+        assert not np.array_equal(got[0], base) and np.array_equal(got[0], got[1]), (code, rows, accumulate)
