@@ -14,7 +14,7 @@ from dataclasses import dataclass
 # Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
 # Every other switch defaults to the shipped path.
 EXPERIMENTAL: frozenset[str] = frozenset(
-    {"decode_splits_per_step", "q8_decode_activations", "shared_prefix_attention", "l2_prefetch"}
+    {"decode_splits_per_step", "q8_decode_activations", "shared_prefix_attention", "l2_prefetch", "ranked_router"}
 )
 
 
@@ -66,6 +66,10 @@ class CudaOptions:
     # steps of up to moe_strategy.FUSED_ROUTER_MAX_TOKENS route with gate_fused: router GEMV, softmax, top-k and
     # normalisation in one launch (False: DeviceLinear + gate_topk at every size)
     fused_router: bool = True
+    # EXPERIMENTAL: gate_fused's last block selects the top-k in one pass (each expert's rank counted against the
+    # others at once) instead of K dependent rounds of a warp arg-max: the same ids and weights, bit for bit; the
+    # rounds are ~1.5 µs of a qwen3moe-shape router launch by count, not measured yet (False: the rounds)
+    ranked_router: bool = False
     # on an sm_90 device, grouped-MMA steps (bf16 and 8-bit) with at least moe_grouped_mma.WGMMA_MIN_ROWS rows per
     # routed expert run the warpgroup-MMA kernels (moe_gemm_wgmma, moe_gemm_q8wgmma) (False: the mma.sync kernels
     # moe_gemm_mma / moe_gemm_q8mma at every size)
