@@ -15,8 +15,8 @@ Grid T x G blocks of THREADS threads (one launch; graph-capturable):
   the softmax and K rounds of a (probability, lowest index) arg-max (warp shuffles; every warp computes the
   same, warp 0 writes ids / weights), or with `ranked` the softmax and one pass that ranks every expert at once:
   thread e counts the experts ahead of it (higher probability, or equal and a lower index) and the K of rank < K
-  write their slot, no dependent rounds; both give the same bits. Fences: every writer and every thread of the last block runs
-  `cuda.threadfence()` (`fence.sc.gpu`: each writer / reader pair ordered in the fence-SC order). Two
+  write their slot, no dependent rounds; both give the same bits. Fences: every writer and every thread of the
+  last block runs `cuda.threadfence()` (`fence.sc.gpu`: each writer / reader pair ordered in the fence-SC order). Two
   `fence.acq_rel.gpu` a block, run by the ticket's thread only, measured the same on the H200 (docs/kernels.md).
 """
 from __future__ import annotations
@@ -268,13 +268,15 @@ def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter,
 def sm90_signatures():
     """(python function, numba signature) of each weight dtype (bf16 wide and narrow), for the sm_90 check."""
     f2, i32 = types.float32[:, ::1], types.int32
+
+    def signature(wt):
+        return (types.float32[::1], types.int64, wt, i32, i32, types.int32[:, ::1], f2, i32, types.int32[::1], f2)
+
     out = []
     for dtype in _DTYPES:
         for wide in ((True, False) if dtype is np.uint16 else (False,)):
             wt = types.uint32[::1] if wide else types.Array(numpy_support.from_dtype(np.dtype(dtype)), 1, "C")
-            sig = (types.float32[::1], types.int64, wt, i32, i32, types.int32[:, ::1], f2, i32, types.int32[::1], f2)
-            out.append((_build(dtype, wide)[0], sig))
-    ranked_wt = types.uint32[::1]             # the selection does not depend on the weights' dtype: bf16 wide
-    out.append((_build(np.uint16, True, True)[0], (types.float32[::1], types.int64, ranked_wt, i32, i32,
-                                                   types.int32[:, ::1], f2, i32, types.int32[::1], f2)))
+            out.append((_build(dtype, wide)[0], signature(wt)))
+    # the ranked selection does not depend on the weights' dtype: bf16 wide only
+    out.append((_build(np.uint16, True, True)[0], signature(types.uint32[::1])))
     return out

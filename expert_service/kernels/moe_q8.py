@@ -167,7 +167,8 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
     # channel scales loaded before the stream, in flight with the weights (read after the row sums they are one
     # more round trip, often to HBM: the scales are cold); fp8's one-token gate|up is at its 128-register bound
     # (kernel_bounds) and would spill them, so it reads them in the epilogue
-    early_scales = scheme == SCALE_CHANNEL and not shape.late_scales and not (code == CODE_FP8 and gated and tokens == 1)
+    fp8_gate_up_token = code == CODE_FP8 and gated and tokens == 1
+    early_scales = scheme == SCALE_CHANNEL and not shape.late_scales and not fp8_gate_up_token
 
     @cuda.jit(device=True, inline=True)
     def chunk_step(src, xrow, n_in, words, scales, roff, sidx, c0, end, checked, raw, factor, xq, part, acc):

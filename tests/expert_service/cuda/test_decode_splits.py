@@ -1,13 +1,11 @@
 """Decode attention's split-K parts per step (CudaOptions.decode_splits_per_step, GPU only): with the option on, a
 decode step of S sequences takes decode_splits(S) parts instead of the largest batch's, and each sequence uses as
 many as its context needs; with decode_part_keys 32 too, parts of one key tile (a 70-token context: 3 parts, not 2;
-one sequence over 100: 4, not 2), the value reaching every decode-attention launch. Long prompts (so every allowed part is used) decoded for a few steps, one sequence and
-three, on an fp32 model (attention_decode) and a bf16 one (attention_decode_tiled at one sequence, the tensor-core
+one sequence over 100: 4, not 2), the value reaching every decode-attention launch. Long prompts (so every allowed
+part is used) decoded for a few steps, one sequence and three, on an fp32 model (attention_decode) and a bf16 one (attention_decode_tiled at one sequence, the tensor-core
 kernel at three): against the option off, the same greedy tokens and logits within float32 rounding (fp32; only the
 order of the softmax sums differs) or the first decode's logits within bf16 tolerance (bf16: later tokens may part
 at a near tie); graph replay equal to eager passes bit for bit."""
-
-import contextlib
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from expert_service.engine.engine import PrefillInput
 from expert_service.engine.sampling import SamplingParams
 from expert_service.tools.tiny_model import make_tiny
 from tests.helpers import bf16_tiny, random_prompt, rel_error
+from tests.spy import Spy
 
 pytestmark = pytest.mark.gpu
 
@@ -49,20 +48,16 @@ def open_engine(path, **overrides):
     return build_engine(ModelDir.open(path), EngineConfig(**{**CFG, "backend": "cuda", **overrides}))
 
 
-@contextlib.contextmanager
-def spy_part_keys(monkeypatch):
-    """The min_keys of every decode-attention launch the engine makes inside the block (eager steps)."""
-    seen = []
-    for name in ("launch_attention_decode_fastest", "launch_attention_decode", "launch_attention_decode_mma"):
-        real = getattr(cuda_model, name)
+ATTENTION_LAUNCHERS = ("launch_attention_decode_fastest", "launch_attention_decode", "launch_attention_decode_mma")
 
-        def spy(*args, _real=real, **kwargs):
-            seen.append(kwargs["min_keys"])
-            return _real(*args, **kwargs)
 
-        monkeypatch.setattr(cuda_model, name, spy)
-    yield seen
-    monkeypatch.undo()
+def part_keys(spies) -> set[int]:
+    """The min_keys the spied decode-attention launches took since the last call (eager steps), then forgets them."""
+    keys = {kwargs["min_keys"] for spy in spies for kwargs in spy.kwargs}
+    assert keys, "no decode-attention launch"
+    for spy in spies:
+        spy.kwargs.clear()
+    return keys
 
 
 def decode(engine, lengths):
@@ -87,13 +82,12 @@ def test_per_step_parts_equal_the_largest_batchs(model, seqs, on, monkeypatch):
     assert decode_split_count(config, seqs) > decode_split_count(config, CFG["max_batch_size"])  # a real change
     prompts = (SHORT if on == "per_step_tile_parts" else PROMPTS)[seqs]
     eager = open_engine(model, cuda_graphs=False, cuda_options=ON[on])
-    with spy_part_keys(monkeypatch) as seen:
-        per_step = decode(eager, prompts)
-    assert seen and set(seen) == {ON[on].decode_part_keys}, seen
+    launches = [Spy(monkeypatch, cuda_model, name) for name in ATTENTION_LAUNCHERS]
+    per_step = decode(eager, prompts)
+    assert part_keys(launches) == {ON[on].decode_part_keys}
     eager.decoder.set_options(CudaOptions())
-    with spy_part_keys(monkeypatch) as seen:
-        fixed = decode(eager, prompts)
-    assert seen and set(seen) == {CudaOptions().decode_part_keys}, seen
+    fixed = decode(eager, prompts)
+    assert part_keys(launches) == {CudaOptions().decode_part_keys}
     compared = per_step if dtype == "fp32" else per_step[:1]
     for i, ((tokens, logits), (want_tokens, want)) in enumerate(zip(compared, fixed)):
         assert rel_error(logits, want) <= (1e-4 if dtype == "fp32" else 1e-2), f"{dtype}, {seqs} sequences, decode {i}"

@@ -26,6 +26,7 @@ from expert_service.engine.engine import PrefillInput
 from expert_service.engine.sampling import SamplingParams
 from expert_service.tools.tiny_model import make_tiny
 from tests.helpers import bf16_tiny, exact_plans, random_prompt, rel_error, run_session
+from tests.spy import Spy
 
 pytestmark = pytest.mark.gpu
 
@@ -70,20 +71,6 @@ def run_steps(engine, plans=None):
 def assert_bitwise(a, b, what):
     for i, ((ta, la, _), (tb, lb, _)) in enumerate(zip(a, b)):
         assert ta == tb and np.array_equal(la, lb), f"{what}: step {i}: max diff {np.max(np.abs(la - lb)):.3g}"
-
-
-class Spy:
-    """Counts the calls of a launcher as the model / MoE module sees it (eager passes: a replayed graph makes
-    no Python calls)."""
-
-    def __init__(self, monkeypatch, module, name):
-        self.calls, original = 0, getattr(module, name)
-
-        def spy(*args, **kwargs):
-            self.calls += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, spy)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES) + ["qwen3_moe-many-bf16"])
@@ -143,10 +130,9 @@ def test_ranked_router_equals_the_rounds_bit_for_bit(model, monkeypatch):
     name, path = model
     rounds = run_steps(open_engine(path, cuda_graphs=False))
     eager = open_engine(path, cuda_graphs=False, cuda_options=CudaOptions(ranked_router=True))
-    seen = []
-    launch = moe.launch_gate_fused
-    monkeypatch.setattr(moe, "launch_gate_fused", lambda *a, **k: (seen.append(k["ranked"]), launch(*a, **k))[1])
+    router = Spy(monkeypatch, moe, "launch_gate_fused")
     ranked = run_steps(eager)
+    seen = [kwargs["ranked"] for kwargs in router.kwargs]
     assert seen and all(seen), f"{name}: {len(seen)} router launches, ranked {sum(seen)}"
     assert_bitwise(ranked, rounds, f"{name}: ranked vs rounds")
     replayed = run_steps(open_engine(path, cuda_options=CudaOptions(ranked_router=True)))
