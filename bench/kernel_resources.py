@@ -90,6 +90,26 @@ def sass_mix(cubin: bytes, nvdisasm: str) -> dict:
     }
 
 
+# global memory accesses in SASS: loads (LDG; LD generic; LDGSTS, cp.async), stores, atomics and reductions
+GLOBAL_ACCESS = re.compile(r"^(LDG|LD|LDGSTS|STG|ST|ATOMG|ATOM|RED)(\.|$)")
+
+
+def wait_order(cubin: bytes, nvdisasm: str) -> dict:
+    """Where a kernel's global memory accesses sit around `griddepcontrol.wait` (ACQBULK) in its SASS (static
+    order): the number of waits, and of accesses before the first one that are not weight streams (`.NA`: loads
+    with L1::no_allocate, which read what no kernel writes). A kernel that waits for a programmatic predecessor
+    must have none of the latter (kernels/programmatic.py)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([nvdisasm, f.name], capture_output=True, text=True, check=True).stdout
+    ops = [m.group(1) for m in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)", sass)]
+    waits = [i for i, op in enumerate(ops) if op.startswith("ACQBULK")]
+    first = waits[0] if waits else len(ops)
+    early = [op for op in ops[:first] if GLOBAL_ACCESS.match(op) and ".NA" not in op]
+    return {"waits": len(waits), "accesses_before_wait": len(early), "early_accesses": sorted(set(early))}
+
+
 def kernel_modules(names: list[str] | None):
     """(name, module or the import's exception) of each kernel module with sm90_signatures (default: all)."""
     import expert_service.kernels as pkg
@@ -129,6 +149,8 @@ def resources(
     all) the cubin's resources by nvJitLink and, with nvdisasm, its SASS mix."""
     from numba import cuda
 
+    from expert_service.kernels import programmatic
+
     rows, failed = [], []
     for position, (name, index, fn, sig, options) in enumerate(signatures(names, failed)):
         if position % shard[1] != shard[0]:
@@ -149,11 +171,16 @@ def resources(
             "ptx_ld_local": len(re.findall(r"\bld\.local", ptx)),
             "ptx_st_local": len(re.findall(r"\bst\.local", ptx)),
         }
-        if resources_of is None or name in resources_of:
+        waiting = fn in programmatic.waiting_functions()
+        if waiting:
+            row["waiting"] = True
+        if resources_of is None or name in resources_of or waiting:
             report, cubin = link_report(ptx, "sm_" + "".join(map(str, cc)))
             row.update(report)
             if nvdisasm:
                 row.update(sass_mix(cubin, nvdisasm))
+                if waiting:
+                    row.update(wait_order(cubin, nvdisasm))
         rows.append(row)
         print_row(row)
     return rows, failed

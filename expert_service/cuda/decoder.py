@@ -66,6 +66,7 @@ from expert_service.engine.cuda_options import CudaOptions
 from expert_service.engine.step import ForwardBatch, HostLogits, Logits, StepTrace
 from expert_service.experts.routing_plan import worker_plan_table
 from expert_service.experts.slots import SlotPlan
+from expert_service.kernels import programmatic
 from expert_service.kernels.attention_decode_mma import MMA_DECODE_MIN_SEQS
 
 log = logging.getLogger("colibri.worker.cuda")
@@ -504,9 +505,17 @@ class CudaDecoder:
 
     # --- the forward pass (eager, or captured into a graph) -----------------------------------------
     def _run(self, T: int, S: int, R: int, decode: bool, shared: bool = False) -> None:
-        self.model.layers(T, S, decode, shared)
-        if R:
-            self.model.head(T, R)
+        with programmatic.launches(decode and self.programmatic_launches):
+            self.model.layers(T, S, decode, shared)
+            if R:
+                self.model.head(T, R)
+
+    @property
+    def programmatic_launches(self) -> bool:
+        """Whether decode steps launch the kernel variants that wait for their predecessor (programmatic_launch):
+        on an sm_90 or later device (the simulator runs them as plain kernels) without an expert cache, whose
+        copies rewrite the slots the kernels stream weights from within the step."""
+        return self.options.programmatic_launch and self.cached is None and programmatic.supported()
 
     @property
     def options(self) -> CudaOptions:

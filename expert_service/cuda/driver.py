@@ -8,6 +8,8 @@ import logging
 import numpy as np
 from cuda.bindings import driver as drv
 
+from expert_service.kernels import programmatic
+
 log = logging.getLogger("colibri.worker.cuda")
 
 
@@ -104,13 +106,66 @@ def unpin(array: np.ndarray) -> None:
         pass
 
 
+def function_handles(handles: set[int]) -> set[int]:
+    """The handles a kernel node may record for these kernel handles: each itself, and where it is a
+    context-independent CUkernel (numba-cuda loads modules as libraries through cuda.core) the CUfunction it
+    resolves to in the current context."""
+    found = set(handles)
+    for handle in handles:
+        try:
+            found.add(int(check(drv.cuKernelGetFunction(drv.CUkernel(handle)))))
+        except CudaDriverError:
+            pass  # a CUfunction already
+    return found
+
+
+def programmatic_edges(graph, waiting: set[int]) -> int:
+    """Turns every kernel -> kernel edge of a captured graph whose target runs one of the `waiting` kernels
+    (handles of kernels that wait for their predecessor first: kernels/programmatic.py) into a programmatic
+    edge, so the target's blocks may start while its predecessor drains; returns how many. cuda.bindings 12
+    names the edge-data calls *_v2, 13 drops the suffix."""
+    if not waiting:
+        return 0
+    waiting = function_handles(waiting)
+    get = getattr(drv, "cuGraphGetEdges_v2", None) or drv.cuGraphGetEdges
+    add = getattr(drv, "cuGraphAddDependencies_v2", None) or drv.cuGraphAddDependencies
+    remove = getattr(drv, "cuGraphRemoveDependencies_v2", None) or drv.cuGraphRemoveDependencies
+    count = check(get(graph, 0))[-1]
+    if not count:
+        return 0
+    sources, targets = check(get(graph, count))[:2]
+    kernel = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+
+    def runs(node) -> set[int] | None:
+        """The handles a kernel node records (its function, its library kernel), None for other nodes."""
+        if check(drv.cuGraphNodeGetType(node)) != kernel:
+            return None
+        params = check(drv.cuGraphKernelNodeGetParams(node))
+        return {int(params.func), int(getattr(params, "kern", 0))} - {0}
+
+    changed = 0
+    for a, b in zip(sources, targets):
+        target = runs(b)
+        if not target or not target & waiting or runs(a) is None:
+            continue
+        data = drv.CUgraphEdgeData()
+        data.type = drv.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+        data.from_port = drv.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+        check(remove(graph, [a], [b], None, 1))
+        check(add(graph, [a], [b], [data], 1))
+        changed += 1
+    return changed
+
+
 class Graph:
-    """A captured sequence of launches on one stream, replayed with one call."""
+    """A captured sequence of launches on one stream, replayed with one call. Edges into kernels that wait for
+    their predecessor (kernels/programmatic.py) become programmatic when the capture ends."""
 
     def __init__(self, stream):
         self.stream = stream
         self._handle = stream_handle(stream)
         self.exec = None
+        self.programmatic_edges = 0  # how many, once captured
 
     def __enter__(self) -> Graph:
         check(drv.cuStreamBeginCapture(self._handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
@@ -120,6 +175,7 @@ class Graph:
         graph = check(drv.cuStreamEndCapture(self._handle))
         try:
             if exc_type is None:
+                self.programmatic_edges = programmatic_edges(graph, programmatic.handles())
                 self.exec = check(drv.cuGraphInstantiate(graph, 0))
         finally:
             check(drv.cuGraphDestroy(graph))

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 # Paths built and tested (simulator, GPU suite) whose H200 figures are not in yet: off by default until they are.
 # Every other switch defaults to the shipped path.
 EXPERIMENTAL: frozenset[str] = frozenset(
-    {"decode_splits_per_step", "q8_decode_activations", "shared_prefix_attention", "l2_prefetch", "ranked_router"}
+    {
+        "decode_splits_per_step",
+        "q8_decode_activations",
+        "shared_prefix_attention",
+        "l2_prefetch",
+        "ranked_router",
+        "programmatic_launch",
+    }
 )
 
 
@@ -70,6 +77,12 @@ class CudaOptions:
     # others at once) instead of K dependent rounds of a warp arg-max: the same ids and weights, bit for bit; the
     # rounds are ~1.5 µs of a qwen3moe-shape router launch by count, not measured yet (False: the rounds)
     ranked_router: bool = False
+    # EXPERIMENTAL: decode steps launch the kernels of their one-token chain (embedding, norms, GEMVs, RoPE + KV
+    # write, decode attention and its reduce, router, 8-bit projections and experts, combine, argmax) in variants
+    # that wait for their predecessor first, and captured graphs join them by programmatic edges (sm_90: a kernel's
+    # blocks start while the one before drains; kernels/programmatic.py). The same bits. Engines with an expert
+    # cache, and devices before sm_90, run the plain kernels (False: every kernel starts when the one before ends)
+    programmatic_launch: bool = False
     # on an sm_90 device, grouped-MMA steps (bf16 and 8-bit) with at least moe_grouped_mma.WGMMA_MIN_ROWS rows per
     # routed expert run the warpgroup-MMA kernels (moe_gemm_wgmma, moe_gemm_q8wgmma) (False: the mma.sync kernels
     # moe_gemm_mma / moe_gemm_q8mma at every size)

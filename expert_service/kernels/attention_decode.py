@@ -26,6 +26,7 @@ import math
 import numpy as np
 from numba import cuda, types
 
+from expert_service.kernels import programmatic
 from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import WARP, loader, warp_sum
 
@@ -239,17 +240,24 @@ def part_merger(base2: bool):
 _merge = part_merger(False)
 
 
-def attention_decode_reduce_kernel(context_lens, positions, window, min_keys, part_out, part_ml, out):
-    """Merge the split-K partials of the parts each sequence used (part_range: none when it used one, whose block
-    wrote `out`): context_lens, positions [S] int32, window, min_keys int32 (the kernel's), part_out [S, H, P, Hd],
-    part_ml [S, H, P, 2] (max, sum) float32 -> out [S, H, Hd] float32. Grid (S, H), block (THREADS,)."""
-    s = cuda.blockIdx.x
-    parts = part_range(context_lens[s], positions[s], window, 0, part_out.shape[2], min_keys)[2]
-    if parts > 1:
-        _merge(part_out, part_ml, parts, part_out, part_ml, 0, s, cuda.blockIdx.y, out)
+@functools.cache
+def _build_reduce(wait: bool = False):
+    """(python kernel, jitted) of the split-K reduce; wait: the variant that waits for a programmatic predecessor
+    first (kernels/programmatic.py)."""
+    prologue = programmatic.prologue(wait)
 
+    def attention_decode_reduce_kernel(context_lens, positions, window, min_keys, part_out, part_ml, out):
+        """Merge the split-K partials of the parts each sequence used (part_range: none when it used one, whose
+        block wrote `out`): context_lens, positions [S] int32, window, min_keys int32 (the kernel's), part_out
+        [S, H, P, Hd], part_ml [S, H, P, 2] (max, sum) float32 -> out [S, H, Hd] float32. Grid (S, H), block
+        (THREADS,)."""
+        prologue()
+        s = cuda.blockIdx.x
+        parts = part_range(context_lens[s], positions[s], window, 0, part_out.shape[2], min_keys)[2]
+        if parts > 1:
+            _merge(part_out, part_ml, parts, part_out, part_ml, 0, s, cuda.blockIdx.y, out)
 
-_reduce = cached_jit(attention_decode_reduce_kernel)
+    return attention_decode_reduce_kernel, programmatic.compiled(attention_decode_reduce_kernel, wait)
 
 
 def check_arguments(name, q, k_pool, v_pool, block_tables, context_lens, positions, out, part_out, part_ml):
@@ -293,13 +301,13 @@ def launch_attention_decode(q, k_pool, v_pool, block_tables, context_lens, posit
 
 def reduce_parts(context_lens, positions, window: int, min_keys: int, part_out, part_ml, out, stream=0) -> None:
     """The split-K reduce of attention_decode and attention_decode_tiled (the same part_range)."""
-    _reduce[(out.shape[0], out.shape[1]), THREADS, stream](
+    _build_reduce(programmatic.active())[1][(out.shape[0], out.shape[1]), THREADS, stream](
         context_lens, positions, np.int32(window), np.int32(min_keys), part_out, part_ml, out)
 
 
 def sm90_signatures():
     """(python function, numba signature) of the variants to compile for sm_90: every kv dtype at Hd=128 with
-    GQA tiles 2 and 4, an odd head size, and the split-K reduce."""
+    GQA tiles 2 and 4, an odd head size, and the split-K reduce (also waiting)."""
     f32_3d, f32_4d, i32 = types.float32[:, :, ::1], types.float32[:, :, :, ::1], types.int32
     out = []
     variants = [(np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)]
@@ -307,5 +315,6 @@ def sm90_signatures():
         out.append((_build(np.dtype(dtype), head_dim, gt)[0],
                     (f32_3d, nb[::1], nb[::1], i32[:, ::1], i32[::1], i32[::1], i32, i32, i32, types.float32, i32,
                      f32_3d, f32_4d, f32_4d)))
-    out.append((attention_decode_reduce_kernel, (i32[::1], i32[::1], i32, i32, f32_4d, f32_4d, f32_3d)))
+    for wait in (False, True):
+        out.append((_build_reduce(wait)[0], (i32[::1], i32[::1], i32, i32, f32_4d, f32_4d, f32_3d)))
     return out

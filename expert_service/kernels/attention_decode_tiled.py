@@ -24,6 +24,7 @@ import math
 import numpy as np
 from numba import cuda, types
 
+from expert_service.kernels import programmatic
 from expert_service.kernels.attention_decode import (
     MIN_PART_KEYS,
     NEG_INF,
@@ -34,7 +35,6 @@ from expert_service.kernels.attention_decode import (
     reduce_parts,
     row_lookup,
 )
-from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import WARP, u32_as_f32, warp_max, warp_sum
 from expert_service.kernels.ptx import cp_async16, cp_async_commit, cp_async_wait_fn
 
@@ -61,8 +61,9 @@ def _dot8(sq, o, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @functools.cache
-def _build(head_dim: int, gt: int):
+def _build(head_dim: int, gt: int, wait: bool = False):
     chunks = head_dim // 8                 # 16-byte chunks per key row
+    prologue = programmatic.prologue(wait)    # kernels/programmatic.py
     row_u64 = head_dim // 4
     tile_u64 = KT * row_u64
     copies = KT * chunks // THREADS        # 16-byte copies per thread per tile and matrix
@@ -96,6 +97,7 @@ def _build(head_dim: int, gt: int):
         block_tables [S, max_blocks], context_lens [S], positions [S] int32; block_shift, num_kv_heads,
         window: int32; scale: float32; out [S, H, Hd] float32 (when gridDim.z == 1); part_out [S, H, P, Hd],
         part_ml [S, H, P, 2] float32. Grid (S, H // GT, P), block (THREADS,)."""
+        prologue()
         s = cuda.blockIdx.x
         h0 = cuda.blockIdx.y * gt
         split = cuda.blockIdx.z
@@ -232,7 +234,7 @@ def _build(head_dim: int, gt: int):
                         part_ml[s, h0 + g, split, 0] = sm[g]
                         part_ml[s, h0 + g, split, 1] = sl[g]
 
-    return attention_decode_tiled_kernel, cached_jit(attention_decode_tiled_kernel)
+    return attention_decode_tiled_kernel, programmatic.compiled(attention_decode_tiled_kernel, wait)
 
 
 def launch_attention_decode_tiled(q, k_pool, v_pool, block_tables, context_lens, positions, window: int,
@@ -246,7 +248,7 @@ def launch_attention_decode_tiled(q, k_pool, v_pool, block_tables, context_lens,
     if num_seqs == 0:
         return
     gt = group_tile(num_heads // num_kv_heads)
-    kernel = _build(head_dim, gt)[1]
+    kernel = _build(head_dim, gt, programmatic.active())[1]
     if splits == 1:
         part_out = part_ml = out.reshape(num_seqs, num_heads, 1, head_dim)
     kernel[(num_seqs, num_heads // gt, splits), THREADS, stream](
@@ -268,8 +270,9 @@ def launch_attention_decode_fastest(q, k_pool, v_pool, block_tables, context_len
 
 
 def sm90_signatures():
-    """(python function, numba signature): Hd 128 with GQA tiles 4 and 8, Hd 64 with tile 1 (MHA)."""
+    """(python function, numba signature): Hd 128 with GQA tiles 4 and 8 (8 also waiting), Hd 64 with tile 1
+    (MHA)."""
     f32_3d, f32_4d, i32, u32 = types.float32[:, :, ::1], types.float32[:, :, :, ::1], types.int32, types.uint32[::1]
     sig = (f32_3d, u32, u32, i32[:, ::1], i32[::1], i32[::1], i32, i32, i32, types.float32, i32, f32_3d, f32_4d,
            f32_4d)
-    return [(_build(hd, gt)[0], sig) for hd, gt in ((128, 4), (128, 8), (64, 1))]
+    return [(_build(hd, gt, wait)[0], sig) for hd, gt, wait in ((128, 4, False), (128, 8, False), (128, 8, True), (64, 1, False))]

@@ -14,23 +14,26 @@ writes of out are coalesced; the op is pure bandwidth (T*D elements).
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels import programmatic
 from expert_service.kernels.numeric import blocks_per_row, widener
 
 THREADS = 128   # 4 warps; D=4096 -> 32 elements per thread
 
 
 @functools.cache
-def _build(weight_dtype):
+def _build(weight_dtype, wait: bool = False):
     widen = widener(weight_dtype)
+    prologue = programmatic.prologue(wait)  # kernels/programmatic.py
 
     def embedding_kernel(ids, table, out):
         """ids: [T] int32 token ids (0 <= id < V). table: [V, D] W. out: [T, D] float32.
         Grid (T, Y), block (THREADS,): the Y blocks of a token stride together over D."""
+        prologue()
         t = cuda.blockIdx.x
         row = ids[t]
         first, step = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x, cuda.gridDim.y * cuda.blockDim.x
@@ -40,6 +43,7 @@ def _build(weight_dtype):
     def embedding_fed_kernel(ids, feed, fed, table, out):
         """ids, feed: [T] int32; fed: [R] int32 (rows feed points at); table: [V, D] W; out: [T, D] float32.
         Grid (T, Y), block (THREADS,): the Y blocks of a token stride together over D."""
+        prologue()
         t = cuda.blockIdx.x
         row = ids[t]
         source = feed[t]
@@ -51,7 +55,12 @@ def _build(weight_dtype):
         for d in range(first, out.shape[1], step):
             out[t, d] = widen(table[row, d])
 
-    return embedding_kernel, cached_jit(embedding_kernel), embedding_fed_kernel, cached_jit(embedding_fed_kernel)
+    return (
+        embedding_kernel,
+        programmatic.compiled(embedding_kernel, wait),
+        embedding_fed_kernel,
+        programmatic.compiled(embedding_fed_kernel, wait),
+    )
 
 
 def launch_embedding(ids, table, out, stream=0, threads=THREADS, feed=None, fed=None) -> None:
@@ -70,7 +79,7 @@ def launch_embedding(ids, table, out, stream=0, threads=THREADS, feed=None, fed=
             (feed.shape, feed.dtype, fed.shape, fed.dtype)
     if ids.shape[0] == 0:
         return
-    kernels = _build(np.dtype(table.dtype))
+    kernels = _build(np.dtype(table.dtype), programmatic.active())
     grid = (ids.shape[0], blocks_per_row(ids.shape[0], table.shape[1], threads))
     if feed is None:
         kernels[1][grid, threads, stream](ids, table, out)
@@ -79,12 +88,13 @@ def launch_embedding(ids, table, out, stream=0, threads=THREADS, feed=None, fed=
 
 
 def sm90_signatures():
-    """(python function, numba signature) of each weight-dtype variant, plain and fed, for the sm_90 compile
-    check."""
+    """(python function, numba signature) of each weight-dtype variant, plain and fed, each also waiting, for
+    the sm_90 compile check."""
     ids = types.int32[::1]
     out = []
-    for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
-        kernels = _build(np.dtype(dt))
+    for (dt, nb), wait in itertools.product(((np.float32, types.float32), (np.float16, types.float16),
+                                             (np.uint16, types.uint16)), (False, True)):
+        kernels = _build(np.dtype(dt), wait)
         out += [(kernels[0], (ids, nb[:, ::1], types.float32[:, ::1])),
                 (kernels[2], (ids, ids, ids, nb[:, ::1], types.float32[:, ::1]))]
     return out

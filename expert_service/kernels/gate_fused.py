@@ -28,9 +28,9 @@ import numpy as np
 from numba import cuda, types
 from numba.np import numpy_support
 
-from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels import programmatic
 from expert_service.kernels.numeric import SIMULATOR, WARP, u32_as_f32, warp_max, warp_sum, widener
-from expert_service.kernels.ptx import ld_stream_v4, ld_v4
+from expert_service.kernels.ptx import ld_stream_v4
 
 THREADS = 64 if SIMULATOR else 256
 WARPS = THREADS // WARP
@@ -58,8 +58,11 @@ def blocks_per_token(n_exp: int, split: int) -> int:
 
 
 @functools.cache
-def _build(dtype, wide: bool, ranked: bool = False):
+def _build(dtype, wide: bool, ranked: bool = False, wait: bool = False):
+    """wait: the variant that waits for a programmatic predecessor first (kernels/programmatic.py)."""
     widen = widener(dtype)
+    prologue = programmatic.prologue(wait)
+    ld_x = programmatic.activation_load(wait)
 
     if wide:
         @cuda.jit(device=True, inline=True)
@@ -78,7 +81,7 @@ def _build(dtype, wide: bool, ranked: bool = False):
                     c = c0 + u * WARP
                     if c < hi:
                         for q in range(2):
-                            x0, x1, x2, x3 = ld_v4(x, xbase + 8 * c + 4 * q)
+                            x0, x1, x2, x3 = ld_x(x, xbase + 8 * c + 4 * q)
                             v0 = ws[u, 2 * q]
                             v1 = ws[u, 2 * q + 1]
                             acc += (u32_as_f32(v0 << np.uint32(16)) * x0
@@ -101,6 +104,7 @@ def _build(dtype, wide: bool, ranked: bool = False):
         else the storage dtype); n_exp: E; split: warps per row; ids [T, K] int32, weights [T, K] f32;
         normalize: int32 0/1; counter [>= T] int32 (zero on entry, zero again on exit); logits [T, E] f32
         (written). Grid (T * G,) with G = blocks_per_token(E, split), block (THREADS,)."""
+        prologue()
         rows_per_block = WARPS // split
         n_blocks = (n_exp + rows_per_block - 1) // rows_per_block
         t = cuda.blockIdx.x // n_blocks
@@ -187,7 +191,7 @@ def _build(dtype, wide: bool, ranked: bool = False):
             for k in range(top_k):                # thread 0 reads back only its own writes
                 weights[t, k] = weights[t, k] / chosen
 
-    return gate_fused_kernel, cached_jit(gate_fused_kernel)
+    return gate_fused_kernel, programmatic.compiled(gate_fused_kernel, wait)
 
 
 @cuda.jit(device=True, inline=True)
@@ -259,7 +263,7 @@ def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter,
     wide = _wide(weight, D)
     split = split_for(n_exp, D, wide)
     flat = weight.reshape(weight.size)
-    kernel = _build(np.dtype(weight.dtype).type, wide, ranked)[1]
+    kernel = _build(np.dtype(weight.dtype).type, wide, ranked, programmatic.active())[1]
     kernel[n_tok * blocks_per_token(n_exp, split), THREADS, stream](
         x.reshape(n_tok * D), np.int64(D), flat.view(np.uint32) if wide else flat, np.int32(n_exp), np.int32(split),
         ids, weights, np.int32(1 if normalize else 0), counter, logits)
@@ -279,4 +283,5 @@ def sm90_signatures():
             out.append((_build(dtype, wide)[0], signature(wt)))
     # the ranked selection does not depend on the weights' dtype: bf16 wide only
     out.append((_build(np.uint16, True, True)[0], signature(types.uint32[::1])))
+    out.append((_build(np.uint16, True, False, True)[0], signature(types.uint32[::1])))  # waiting
     return out

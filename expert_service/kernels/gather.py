@@ -8,11 +8,12 @@ the GEMM needs (round to nearest even for bfloat16). Numpy reference: ``src[inde
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels import programmatic
 from expert_service.kernels.numeric import blocks_per_row, storer
 
 THREADS = 128
@@ -20,12 +21,14 @@ DST_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint16))
 
 
 @functools.cache
-def _build(dst_dtype):
+def _build(dst_dtype, wait: bool = False):
     store = storer(dst_dtype)
+    prologue = programmatic.prologue(wait)  # kernels/programmatic.py
 
     def gather_rows_kernel(src, index, divisor, dst):
         """src [R, D] f32, index [n] int32, divisor int32, dst [n * D] flat, of dst_dtype. Grid (n, Y),
         block (THREADS,): the Y blocks of a row stride together over D (numeric.blocks_per_row)."""
+        prologue()
         p = cuda.blockIdx.x
         row = index[p] // divisor
         width = src.shape[1]
@@ -33,7 +36,7 @@ def _build(dst_dtype):
         for d in range(first, width, step):
             store(dst, p * width + d, src[row, d])
 
-    return gather_rows_kernel, cached_jit(gather_rows_kernel)
+    return gather_rows_kernel, programmatic.compiled(gather_rows_kernel, wait)
 
 
 def launch_gather_rows(src, index, dst, divisor: int = 1, stream=0) -> None:
@@ -45,11 +48,11 @@ def launch_gather_rows(src, index, dst, divisor: int = 1, stream=0) -> None:
     n = index.shape[0]
     if n:
         grid = (n, blocks_per_row(n, src.shape[1], THREADS))
-        _build(np.dtype(dst.dtype))[1][grid, THREADS, stream](src, index, np.int32(divisor), dst.reshape(-1))
+        _build(np.dtype(dst.dtype), programmatic.active())[1][grid, THREADS, stream](src, index, np.int32(divisor), dst.reshape(-1))
 
 
 def sm90_signatures():
     out = []
-    for dtype, nb in zip(DST_DTYPES, (types.float32, types.float16, types.uint16)):
-        out.append((_build(dtype)[0], (types.float32[:, ::1], types.int32[::1], types.int32, nb[::1])))
+    for (dtype, nb), wait in itertools.product(zip(DST_DTYPES, (types.float32, types.float16, types.uint16)), (False, True)):
+        out.append((_build(dtype, wait)[0], (types.float32[:, ::1], types.int32[::1], types.int32, nb[::1])))
     return out

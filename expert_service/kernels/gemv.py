@@ -33,9 +33,9 @@ import numpy as np
 from numba import cuda, types
 from numba.np import numpy_support
 
-from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels import programmatic
 from expert_service.kernels.numeric import SIMULATOR, WARP, f16_to_f32, silu, u32_as_f32, warp_sum, widener
-from expert_service.kernels.ptx import ld_stream_v4, ld_v4
+from expert_service.kernels.ptx import ld_stream_v4
 
 # The simulator runs one Python thread per CUDA thread: fewer loads per lane so tiny K still reaches the
 # unrolled main loop (the code path is the same).
@@ -70,12 +70,13 @@ def launch_shape_for(n_rows: int, n_chunks: int, slots: int, gated: bool) -> Lau
     return LaunchShape(rows, split, max(1, BLOCK_WARPS // split))
 
 
-def _chunk_ops(dtype, wide: bool):
+def _chunk_ops(dtype, wide: bool, wait: bool):
     """Device fns for one 16-byte chunk (wide) or one element (narrow) of a weight row:
     fetch(w, off, raw, i) loads it into raw[i, :]; load_x(x, off, xv, u) puts the matching x values in
-    xv[u, :]; dot(raw, i, xv, u) -> float32 sum of their products. Also raw's dtype and width, and x values
-    per chunk."""
+    xv[u, :] (coherently in a waiting variant, kernels/programmatic.py); dot(raw, i, xv, u) -> float32 sum of
+    their products. Also raw's dtype and width, and x values per chunk."""
     dt = np.dtype(dtype)
+    ld_x = programmatic.activation_load(wait)
     per = (8 if dt.itemsize == 2 else 4) if wide else 1     # x values per chunk
     if not wide:
         widen = widener(dt)
@@ -104,7 +105,7 @@ def _chunk_ops(dtype, wide: bool):
     @cuda.jit(device=True, inline=True)  # type: ignore[no-redef]  # the narrow branch returned its own above
     def load_x(x, off, xv, u):
         for q in range(per // 4):
-            a, b, c, d = ld_v4(x, off + 4 * q)
+            a, b, c, d = ld_x(x, off + 4 * q)
             xv[u, 4 * q] = a
             xv[u, 4 * q + 1] = b
             xv[u, 4 * q + 2] = c
@@ -138,9 +139,11 @@ def _chunk_ops(dtype, wide: bool):
 
 
 @functools.cache
-def _build(dtype, wide: bool, rows: int, gated: bool):
-    """(python kernel, jitted kernel) for weight storage dtype, 16-byte (wide) or scalar chunks, ROWS, gated."""
-    fetch, load_x, dot, raw_dtype, raw_width, per = _chunk_ops(dtype, wide)
+def _build(dtype, wide: bool, rows: int, gated: bool, wait: bool = False):
+    """(python kernel, jitted kernel) for weight storage dtype, 16-byte (wide) or scalar chunks, ROWS, gated;
+    wait: the variant that waits for a programmatic predecessor first (kernels/programmatic.py)."""
+    fetch, load_x, dot, raw_dtype, raw_width, per = _chunk_ops(dtype, wide, wait)
+    prologue = programmatic.prologue(wait)
     widen = widener(dtype)
     wpc = 4 if wide else 1                    # w array units (u32 words or elements) per chunk
     nw = rows * (2 if gated else 1)           # weight rows streamed by one warp
@@ -184,6 +187,7 @@ def _build(dtype, wide: bool, rows: int, gated: bool):
         n_rows: output rows; n_chunks: chunks per row; split: warps per row group (blockDim = 32 * groups *
         split). bias: [n_rows] weight dtype, read when has_bias != 0. mode: MODE_STORE / MODE_ACCUMULATE /
         MODE_SWIGLU (gated kernels). out: [slots, n_rows] float32. Grid (row blocks, slots)."""
+        prologue()
         raw = cuda.local.array(raw_shape, raw_dtype)
         xv = cuda.local.array(xv_shape, np.float32)
         acc = cuda.local.array(nw, np.float32)
@@ -242,7 +246,7 @@ def _build(dtype, wide: bool, rows: int, gated: bool):
                     else:
                         out[slot, row] = a
 
-    return gemv_kernel, cached_jit(gemv_kernel)
+    return gemv_kernel, programmatic.compiled(gemv_kernel, wait)
 
 
 def _aligned(a) -> bool:
@@ -272,7 +276,7 @@ def _launch(x, x_stride, ids, wa, wb, stride, first, second, row_len, n_rows, sl
     shape = shape or launch_shape_for(n_rows, n_chunks, slots, gated)
     if shape.rows * (2 if gated else 1) > _MAX_ROWS or shape.groups * shape.split > _RED_SHAPE[0]:
         raise ValueError(f"shape {shape} exceeds {_MAX_ROWS} weight rows per warp or {_RED_SHAPE[0]} warps")
-    kernel = _build(dtype.type, wide, shape.rows, gated)[1]
+    kernel = _build(dtype.type, wide, shape.rows, gated, programmatic.active())[1]
     grid = (-(-n_rows // (shape.rows * shape.groups)), slots)
     block = WARP * shape.groups * shape.split
     use_ids = int(ids is not None)
@@ -359,7 +363,8 @@ def launch_expert_down(h, ids, experts, F: int, D: int, y, stream=0, shape=None)
 
 
 def sm90_signatures():
-    """(python function, numba signature) of every (weight dtype, wide, rows, gated) variant."""
+    """(python function, numba signature) of every (weight dtype, wide, rows, gated) variant, and the waiting
+    variants of bf16's wide ones."""
     i64, f1 = types.int64, types.float32[::1]
     out = []
     for dt in _DTYPES:
@@ -368,7 +373,8 @@ def sm90_signatures():
             w = types.uint32[::1] if wide else nb[::1]
             for gated, choices in ((False, (4, 2, 1)), (True, (2, 1))):
                 for rows in choices:
-                    out.append((_build(dt, wide, rows, gated)[0],
-                                (f1, i64, types.int32[::1], i64, w, w, i64, i64, i64, i64, i64, i64, i64,
-                                 nb[::1], i64, i64, types.float32[:, ::1])))
+                    for wait in (False, True) if wide and dt is np.uint16 else (False,):
+                        out.append((_build(dt, wide, rows, gated, wait)[0],
+                                    (f1, i64, types.int32[::1], i64, w, w, i64, i64, i64, i64, i64, i64, i64,
+                                     nb[::1], i64, i64, types.float32[:, ::1])))
     return out

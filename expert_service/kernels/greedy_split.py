@@ -11,12 +11,13 @@ buffer that needs zeroing: graph-capturable and deterministic. P = parts(V) (75 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels import programmatic
 from expert_service.kernels.numeric import SIMULATOR
 
 THREADS = 32 if SIMULATOR else 256       # power of two (tree reductions)
@@ -52,68 +53,81 @@ def _tree(best_v, best_i, bad, tid):
         stride //= 2
 
 
-@cached_jit
-def _argmax_parts_kernel(logits, part_values, part_ids, part_flags):
-    """logits [S, V] f32 -> part_values [S, P] f32, part_ids [S, P] int32 (V where the slice has no candidate),
-    part_flags [S, P] int32. Grid (S * P,), block (THREADS,)."""
-    best_v = cuda.shared.array(THREADS, np.float32)
-    best_i = cuda.shared.array(THREADS, np.int32)
-    bad = cuda.shared.array(THREADS, np.int32)
-    n_parts = part_values.shape[1]
-    s = cuda.blockIdx.x // n_parts
-    p = cuda.blockIdx.x % n_parts
-    tid = cuda.threadIdx.x
-    vocab = logits.shape[1]
-    start = p * CHUNK + tid
-    vals = cuda.local.array(ITEMS, np.float32)
-    for j in range(ITEMS):                 # every load issued before the first compare
-        v = start + j * THREADS
-        vals[j] = logits[s, v] if v < vocab else np.float32(-np.inf)
-    bv = -np.float32(np.inf)
-    bi = np.int32(vocab)
-    nonfinite = np.int32(0)
-    for j in range(ITEMS):
-        v = start + j * THREADS
-        x = vals[j]
-        if v < vocab:
-            if not math.isfinite(x):
-                nonfinite = np.int32(1)
-            if _better(x, np.int32(v), bv, bi):    # ascending v per thread: > keeps the lowest index
-                bv = x
-                bi = np.int32(v)
-    best_v[tid] = bv
-    best_i[tid] = bi
-    bad[tid] = nonfinite
-    _tree(best_v, best_i, bad, tid)
-    if tid == 0:
-        part_values[s, p] = best_v[0]
-        part_ids[s, p] = best_i[0]
-        part_flags[s, p] = bad[0]
+@functools.cache
+def _kernels(wait: bool = False):
+    """(parts python kernel, jitted, final python kernel, jitted); wait: the variants that wait for a
+    programmatic predecessor first (kernels/programmatic.py)."""
+    prologue = programmatic.prologue(wait)
+
+    def _argmax_parts_kernel(logits, part_values, part_ids, part_flags):
+        """logits [S, V] f32 -> part_values [S, P] f32, part_ids [S, P] int32 (V where the slice has no candidate),
+        part_flags [S, P] int32. Grid (S * P,), block (THREADS,)."""
+        prologue()
+        best_v = cuda.shared.array(THREADS, np.float32)
+        best_i = cuda.shared.array(THREADS, np.int32)
+        bad = cuda.shared.array(THREADS, np.int32)
+        n_parts = part_values.shape[1]
+        s = cuda.blockIdx.x // n_parts
+        p = cuda.blockIdx.x % n_parts
+        tid = cuda.threadIdx.x
+        vocab = logits.shape[1]
+        start = p * CHUNK + tid
+        vals = cuda.local.array(ITEMS, np.float32)
+        for j in range(ITEMS):                 # every load issued before the first compare
+            v = start + j * THREADS
+            vals[j] = logits[s, v] if v < vocab else np.float32(-np.inf)
+        bv = -np.float32(np.inf)
+        bi = np.int32(vocab)
+        nonfinite = np.int32(0)
+        for j in range(ITEMS):
+            v = start + j * THREADS
+            x = vals[j]
+            if v < vocab:
+                if not math.isfinite(x):
+                    nonfinite = np.int32(1)
+                if _better(x, np.int32(v), bv, bi):    # ascending v per thread: > keeps the lowest index
+                    bv = x
+                    bi = np.int32(v)
+        best_v[tid] = bv
+        best_i[tid] = bi
+        bad[tid] = nonfinite
+        _tree(best_v, best_i, bad, tid)
+        if tid == 0:
+            part_values[s, p] = best_v[0]
+            part_ids[s, p] = best_i[0]
+            part_flags[s, p] = bad[0]
 
 
-@cached_jit
-def _argmax_final_kernel(part_values, part_ids, part_flags, vocab, ids, flags):
-    """Reduce each row's P partials -> ids [S], flags [S] int32. Grid (S,), block (FINAL_THREADS,)."""
-    best_v = cuda.shared.array(FINAL_THREADS, np.float32)
-    best_i = cuda.shared.array(FINAL_THREADS, np.int32)
-    bad = cuda.shared.array(FINAL_THREADS, np.int32)
-    s = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    bv = -np.float32(np.inf)
-    bi = np.int32(vocab)
-    nonfinite = np.int32(0)
-    for p in range(tid, part_values.shape[1], cuda.blockDim.x):
-        if _better(part_values[s, p], part_ids[s, p], bv, bi):
-            bv = part_values[s, p]
-            bi = part_ids[s, p]
-        nonfinite = max(nonfinite, part_flags[s, p])
-    best_v[tid] = bv
-    best_i[tid] = bi
-    bad[tid] = nonfinite
-    _tree(best_v, best_i, bad, tid)
-    if tid == 0:
-        ids[s] = best_i[0] if best_i[0] < vocab else 0
-        flags[s] = bad[0]
+    def _argmax_final_kernel(part_values, part_ids, part_flags, vocab, ids, flags):
+        """Reduce each row's P partials -> ids [S], flags [S] int32. Grid (S,), block (FINAL_THREADS,)."""
+        prologue()
+        best_v = cuda.shared.array(FINAL_THREADS, np.float32)
+        best_i = cuda.shared.array(FINAL_THREADS, np.int32)
+        bad = cuda.shared.array(FINAL_THREADS, np.int32)
+        s = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        bv = -np.float32(np.inf)
+        bi = np.int32(vocab)
+        nonfinite = np.int32(0)
+        for p in range(tid, part_values.shape[1], cuda.blockDim.x):
+            if _better(part_values[s, p], part_ids[s, p], bv, bi):
+                bv = part_values[s, p]
+                bi = part_ids[s, p]
+            nonfinite = max(nonfinite, part_flags[s, p])
+        best_v[tid] = bv
+        best_i[tid] = bi
+        bad[tid] = nonfinite
+        _tree(best_v, best_i, bad, tid)
+        if tid == 0:
+            ids[s] = best_i[0] if best_i[0] < vocab else 0
+            flags[s] = bad[0]
+
+    return (
+        _argmax_parts_kernel,
+        programmatic.compiled(_argmax_parts_kernel, wait),
+        _argmax_final_kernel,
+        programmatic.compiled(_argmax_final_kernel, wait),
+    )
 
 
 def launch_greedy_split(logits, ids, flags, part_values, part_ids, part_flags, stream=0) -> None:
@@ -131,11 +145,15 @@ def launch_greedy_split(logits, ids, flags, part_values, part_ids, part_flags, s
                              f"{list(a.shape)}")
     if rows == 0:
         return
-    _argmax_parts_kernel[rows * p, THREADS, stream](logits, part_values, part_ids, part_flags)
-    _argmax_final_kernel[rows, FINAL_THREADS, stream](part_values, part_ids, part_flags, np.int32(vocab), ids, flags)
+    _, parts_kernel, _, final_kernel = _kernels(programmatic.active())
+    parts_kernel[rows * p, THREADS, stream](logits, part_values, part_ids, part_flags)
+    final_kernel[rows, FINAL_THREADS, stream](part_values, part_ids, part_flags, np.int32(vocab), ids, flags)
 
 
 def sm90_signatures():
     f2, i2, i1 = types.float32[:, ::1], types.int32[:, ::1], types.int32[::1]
-    return [(_argmax_parts_kernel.py_func, (f2, f2, i2, i2)),
-            (_argmax_final_kernel.py_func, (f2, i2, i2, types.int32, i1, i1))]
+    out = []
+    for wait in (False, True):
+        parts_kernel, _, final_kernel, _ = _kernels(wait)
+        out += [(parts_kernel, (f2, f2, i2, i2)), (final_kernel, (f2, i2, i2, types.int32, i1, i1))]
+    return out

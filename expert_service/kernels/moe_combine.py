@@ -14,19 +14,22 @@ import functools
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels import programmatic
 from expert_service.kernels.numeric import SIMULATOR, blocks_per_row
 
 THREADS = 32 if SIMULATOR else 256    # the simulator pays per thread; the indexing is the same
 
 
 @functools.cache
-def _build(top_k: int):
+def _build(top_k: int, wait: bool = False):
+    prologue = programmatic.prologue(wait)  # kernels/programmatic.py
+
     def moe_combine_kernel(y, position, weights, h):
         """y [T*K, D] f32 grouped expert outputs, position [T*K] int32 (grouped position of assignment t*K+k),
         weights [T, K] f32 -> h [T, D] f32 updated in place: h[t] += sum_k weights[t, k] * y[position[t*K+k]].
         K = top_k is a compile-time constant: rows and weights in registers, the K loads of an element issue
         together."""
+        prologue()
         t = cuda.blockIdx.x
         width = h.shape[1]
         rows = cuda.local.array(top_k, np.int32)
@@ -41,7 +44,7 @@ def _build(top_k: int):
                 acc += w[k] * y[rows[k], d]
             h[t, d] += acc
 
-    return moe_combine_kernel, cached_jit(moe_combine_kernel)
+    return moe_combine_kernel, programmatic.compiled(moe_combine_kernel, wait)
 
 
 def launch_moe_combine(y, position, weights, h, stream=0) -> None:
@@ -56,11 +59,12 @@ def launch_moe_combine(y, position, weights, h, stream=0) -> None:
             raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name} {list(expected[name])}, "
                              f"got {a.dtype} {list(a.shape)}")
     if n_tok:
-        kernel = _build(int(top_k))[1]
+        kernel = _build(int(top_k), programmatic.active())[1]
         kernel[(n_tok, blocks_per_row(n_tok, width, THREADS)), THREADS, stream](y, position, weights, h)
 
 
 def sm90_signatures():
     """(python function, numba signature) of every kernel variant, for the sm_90 compile check."""
     f2 = types.float32[:, ::1]
-    return [(_build(k)[0], (f2, types.int32[::1], f2, f2)) for k in (2, 4, 8)]   # mixtral's, qwen2-moe's, qwen3's top-k
+    # mixtral's, qwen2-moe's, qwen3's top-k; qwen3's waiting too
+    return [(_build(k, w)[0], (f2, types.int32[::1], f2, f2)) for k, w in ((2, False), (4, False), (8, False), (8, True))]

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, types
 
+from expert_service.kernels import programmatic
 from expert_service.kernels.expert_quant import (
     CHUNK_BYTES,
     CODE_BF16,
@@ -52,9 +53,8 @@ from expert_service.kernels.expert_quant import (
     fp8x4,
     int8x4,
 )
-from expert_service.kernels.jit_cache import cached_jit
 from expert_service.kernels.numeric import SIMULATOR, WARP, check_array, f16_to_f32, silu, u32_as_f32, warp_sum
-from expert_service.kernels.ptx import ld_stream_v4, ld_v4
+from expert_service.kernels.ptx import ld_stream_v4
 
 WARPS = 1 if SIMULATOR else 4  # warps per block
 ROWS_GATED = 2  # gate rows (and as many up rows) per warp: 4 weight rows streamed
@@ -151,10 +151,14 @@ def _quad_decoder(code: int):
 
 
 @functools.cache
-def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: LaunchShape, accumulate: bool = False):
+def _expert_body(
+    code: int, scheme: int, gated: bool, tokens: int, shape: LaunchShape, accumulate: bool = False, wait: bool = False
+):
     """Device fn computing this warp's rows of one expert whose weights are dtype `code` with scale `scheme`,
     gate/up (gated) or down, `tokens` per pass, rows spread as `shape` says (the kernel's arguments, plus the
-    expert e, its block and its positions [start, end)). accumulate (down only): out += the sums instead of =."""
+    expert e, its block and its positions [start, end)). accumulate (down only): out += the sums instead of =.
+    wait: x is loaded coherently (a waiting variant's, kernels/programmatic.py)."""
+    ld_x = programmatic.activation_load(wait)
     rows = shape.rows(gated)
     warps = shape.warps
     nw = 2 * rows if gated else rows  # weight rows one warp streams
@@ -198,7 +202,7 @@ def _expert_body(code: int, scheme: int, gated: bool, tokens: int, shape: Launch
             for q in range(quads):
                 for t in range(tokens):
                     if ok:
-                        xq[t, 0], xq[t, 1], xq[t, 2], xq[t, 3] = ld_v4(src, xrow[t] * n_in + c * vals + 4 * q)
+                        xq[t, 0], xq[t, 1], xq[t, 2], xq[t, 3] = ld_x(src, xrow[t] * n_in + c * vals + 4 * q)
                     else:
                         for j in range(4):
                             xq[t, j] = np.float32(0.0)
@@ -288,15 +292,18 @@ def _kernel(
     tokens: int,
     shape: LaunchShape = DECODE_SHAPE,
     accumulate: bool = False,
+    wait: bool = False,
 ):
     """(python kernel, jitted kernel) for a layer whose experts have the (code, scheme) pairs `kinds`, gate/up
     (gated) or down, `tokens` per pass, rows spread as `shape` says; accumulate: down adds into out (linear_q8's
-    projections that end in the residual)."""
+    projections that end in the residual); wait: the variant that waits for a programmatic predecessor first
+    (kernels/programmatic.py)."""
     if accumulate and gated:
         raise ValueError("accumulate is for the down projection (gate/up writes h)")
     # one branch per encoding, in ALL_KINDS order: the layer's kinds get their body, the others an empty one
     # (a branch on values uniform over the block; registers are the largest body's)
-    bodies = [_expert_body(*k, gated, tokens, shape, accumulate) if k in kinds else _absent for k in ALL_KINDS]
+    bodies = [_expert_body(*k, gated, tokens, shape, accumulate, wait) if k in kinds else _absent for k in ALL_KINDS]
+    prologue = programmatic.prologue(wait)
     body0, body1, body2, body3, body4, body5, body6 = bodies
     (c0, s0), (c1, s1), (c2, s2), (c3, s3), (c4, s4), (c5, s5), (c6, s6) = ALL_KINDS
 
@@ -311,6 +318,7 @@ def _kernel(
         block is block slot_of[e] of the buffer (the expert cache's slots; < 0: not computed, its rows
         untouched), its meta still meta[e]; else block e. out [n, n_rows] float32. Grid (slots or E, row
         blocks), shape.warps * 32 threads."""
+        prologue()
         s_id = cuda.blockIdx.x
         if by_slot != 0:
             e = ids[s_id]
@@ -341,7 +349,7 @@ def _kernel(
         elif code == c6 and scheme == s6:
             body6(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
 
-    return kernel, cached_jit(kernel, launch_bounds=kernel_bounds(kinds, tokens, shape))
+    return kernel, programmatic.compiled(kernel, wait, launch_bounds=kernel_bounds(kinds, tokens, shape))
 
 
 def check_layer(experts, meta, F: int, D: int, slot_of=None, kinds=None) -> tuple[tuple[int, int], ...]:
@@ -395,7 +403,8 @@ def _launch(
         int(slot_of is not None),
         out,
     )
-    _kernel(kinds, gated, 1 if by_slot else TOK_TILE, shape, accumulate)[1][grid, shape.warps * WARP, stream](*args)
+    kernel = _kernel(kinds, gated, 1 if by_slot else TOK_TILE, shape, accumulate, programmatic.active())[1]
+    kernel[grid, shape.warps * WARP, stream](*args)
 
 
 def launch_q8_gate_up(
@@ -495,4 +504,12 @@ def sm90_signatures():
          {"launch_bounds": kernel_bounds(kinds, tokens)})
         for kinds, tokens in SM90_ACCUMULATE
     ]
-    return stored + added
+    # the waiting variants of one-token int8 layers (experts and 8-bit attention's o_proj)
+    waiting = [
+        (_kernel(kinds, gated, 1, accumulate=added, wait=True)[0], sm90_signature(),
+         {"launch_bounds": kernel_bounds(kinds, 1)})
+        for kinds, gated, added in ((((CODE_INT8, SCALE_CHANNEL),), True, False),
+                                    (((CODE_INT8, SCALE_CHANNEL),), False, False),
+                                    (((CODE_INT8, SCALE_CHANNEL),), False, True))
+    ]
+    return stored + added + waiting

@@ -25,7 +25,7 @@ import math
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels import programmatic
 from expert_service.kernels.numeric import SIMULATOR, WARP, storer, warp_sum, widener
 from expert_service.kernels.rope import rotate, rotation
 
@@ -34,9 +34,11 @@ MAX_HEAD_DIM = 256
 
 
 @functools.cache
-def _build(pool_dtype, weight_dtype, per_lane: int):
-    """per_lane = Hd / 32 elements a lane (compile-time: the row stays in registers, the loops unroll)."""
+def _build(pool_dtype, weight_dtype, per_lane: int, wait: bool = False):
+    """per_lane = Hd / 32 elements a lane (compile-time: the row stays in registers, the loops unroll); wait: the
+    variant that waits for a programmatic predecessor first (kernels/programmatic.py)."""
     store, widen = storer(pool_dtype), widener(weight_dtype)
+    prologue = programmatic.prologue(wait)
     pairs = per_lane // 2
 
     def qk_norm_rope_kv_write_kernel(q, k, v, q_weight, k_weight, eps, positions, inv_freq, scale, slot_mapping,
@@ -45,6 +47,7 @@ def _build(pool_dtype, weight_dtype, per_lane: int):
         q_weight, k_weight: [Hd] W. eps: float32. positions: [T] int32. inv_freq: [Hd/2] float32. scale:
         float32 multiplier of cos and sin. slot_mapping: [T] int32 (< 0: padding, nothing written).
         k_pool, v_pool: [NB * BS * Hkv * Hd] flat views of the layer's pools. Grid (T, Y), block (WARPS * 32,)."""
+        prologue()
         t = cuda.blockIdx.x
         lane = cuda.threadIdx.x % WARP
         head = cuda.blockIdx.y * (cuda.blockDim.x // WARP) + cuda.threadIdx.x // WARP
@@ -85,7 +88,7 @@ def _build(pool_dtype, weight_dtype, per_lane: int):
                 store(k_pool, at, r1)
                 store(k_pool, at + half, r2)
 
-    return qk_norm_rope_kv_write_kernel, cached_jit(qk_norm_rope_kv_write_kernel)
+    return qk_norm_rope_kv_write_kernel, programmatic.compiled(qk_norm_rope_kv_write_kernel, wait)
 
 
 def supports(head_dim: int) -> bool:
@@ -116,7 +119,7 @@ def launch_qk_norm_rope_kv_write(q, k, v, q_weight, k_weight, eps, positions, in
         assert a.flags["C_CONTIGUOUS"], "qk_norm_rope_kv_write needs contiguous arrays"
     if num_tokens == 0:
         return
-    kernel = _build(np.dtype(k_pool.dtype), np.dtype(q_weight.dtype), head_dim // WARP)[1]
+    kernel = _build(np.dtype(k_pool.dtype), np.dtype(q_weight.dtype), head_dim // WARP, programmatic.active())[1]
     grid = (num_tokens, -(-(num_q + 2 * k.shape[1]) // WARPS))
     kernel[grid, WARPS * WARP, stream](q, k, v, q_weight, k_weight, np.float32(eps), positions, inv_freq,
                                        np.float32(scale), slot_mapping, k_pool.reshape(-1), v_pool.reshape(-1))
@@ -124,12 +127,12 @@ def launch_qk_norm_rope_kv_write(q, k, v, q_weight, k_weight, eps, positions, in
 
 def sm90_signatures():
     """(python function, numba signature) of each pool dtype (weights in the same dtype) and head size 64 / 128,
-    for the sm_90 compile check."""
+    128 also waiting, for the sm_90 compile check."""
     f3, i1 = types.float32[:, :, ::1], types.int32[::1]
     out = []
     for dtype, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
-        for per_lane in (2, 4):
-            out.append((_build(np.dtype(dtype), np.dtype(dtype), per_lane)[0],
+        for per_lane, wait in ((2, False), (4, False), (4, True)):
+            out.append((_build(np.dtype(dtype), np.dtype(dtype), per_lane, wait)[0],
                         (f3, f3, f3, nb[::1], nb[::1], types.float32, i1, types.float32[::1], types.float32, i1,
                          nb[::1], nb[::1])))
     return out

@@ -25,7 +25,7 @@ import functools
 import numpy as np
 from numba import cuda, types
 
-from expert_service.kernels.jit_cache import cached_jit
+from expert_service.kernels import programmatic
 from expert_service.kernels.numeric import blocks_per_row, storer
 from expert_service.kernels.rope import rotate, rotation
 
@@ -33,16 +33,19 @@ THREADS = 128   # as rope and kv_write: 4 warps; qwen3 (H 32, Hkv 4, Hd 128): 23
 
 
 @functools.cache
-def _build(pool_dtype, half: int):
+def _build(pool_dtype, half: int, wait: bool = False):
     """half = Hd / 2 is a compile-time constant: the pair index's division and remainder by it become shifts
-    (by a runtime value they were 64-bit division calls, most of the kernel's time)."""
+    (by a runtime value they were 64-bit division calls, most of the kernel's time). wait: the variant that
+    waits for a programmatic predecessor first (kernels/programmatic.py)."""
     store = storer(pool_dtype)
+    prologue = programmatic.prologue(wait)
 
     def rope_kv_write_kernel(q, k, v, positions, inv_freq, scale, slot_mapping, k_pool, v_pool):
         """q: [T, H, Hd] float32, rotated in place. k: [T, Hkv, Hd] float32 (read only). v: [T, Hkv * Hd] float32.
         positions: [T] int32. inv_freq: [Hd/2] float32. scale: float32 multiplier of cos and sin.
         slot_mapping: [T] int32 (< 0: padding, nothing written). k_pool, v_pool: [NB * BS * Hkv * Hd] flat
         views of the layer's pools in the pool dtype. Grid (T, Y), block (THREADS,)."""
+        prologue()
         t = cuda.blockIdx.x
         first = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
         stride = cuda.gridDim.y * cuda.blockDim.x
@@ -71,7 +74,7 @@ def _build(pool_dtype, half: int):
             for e in range(first, row, stride):
                 store(v_pool, base + e, v[t, e])
 
-    return rope_kv_write_kernel, cached_jit(rope_kv_write_kernel)
+    return rope_kv_write_kernel, programmatic.compiled(rope_kv_write_kernel, wait)
 
 
 def launch_rope_kv_write(q, k, v, positions, inv_freq, scale, slot_mapping, k_pool, v_pool, stream=0,
@@ -95,7 +98,7 @@ def launch_rope_kv_write(q, k, v, positions, inv_freq, scale, slot_mapping, k_po
     if num_tokens == 0:
         return
     row = k.shape[1] * head_dim
-    kernel = _build(np.dtype(k_pool.dtype), head_dim // 2)[1]
+    kernel = _build(np.dtype(k_pool.dtype), head_dim // 2, programmatic.active())[1]
     grid = (num_tokens, blocks_per_row(num_tokens, (q.shape[1] + k.shape[1]) * head_dim // 2, threads))
     kernel[grid, threads, stream](q, k, v.reshape(num_tokens, row), positions, inv_freq, np.float32(scale),
                                   slot_mapping, k_pool.reshape(-1), v_pool.reshape(-1))
@@ -106,7 +109,7 @@ def sm90_signatures():
     f3, f2, i1 = types.float32[:, :, ::1], types.float32[:, ::1], types.int32[::1]
     out = []
     for dtype, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
-        for half in (32, 64):       # head sizes 64 and 128
-            out.append((_build(np.dtype(dtype), half)[0], (f3, f3, f2, i1, types.float32[::1], types.float32, i1,
+        for half, wait in ((32, False), (64, False), (64, True)):       # head sizes 64 and 128
+            out.append((_build(np.dtype(dtype), half, wait)[0], (f3, f3, f2, i1, types.float32[::1], types.float32, i1,
                                                            nb[::1], nb[::1])))
     return out
