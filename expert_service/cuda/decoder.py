@@ -164,6 +164,10 @@ class CudaDecoder:
             if cached
             else None
         )  # None: every expert resident, no cache logic runs
+        if config.cuda_options.programmatic_launch and self.cached is not None:
+            log.warning(
+                "cuda_options.programmatic_launch: off on this engine, its expert cache writes weights mid-step"
+            )
         self.model = CudaModel(
             cfg,
             self.weights,

@@ -52,7 +52,8 @@ class CudaOptions:
     # the fewest keys a decode-attention split part holds (a multiple of 32, the tiled and tensor-core kernels' key
     # tile): a short context is cut into fewer, longer parts. 64: one sequence over 129 keys runs parts of 65 and 64
     # keys (3 and 2 tiles one after another); 32 (with decode_splits_per_step) 5 parts of at most one tile, for a
-    # reduce of 5 parts instead of 2 (docs/kernels.md, "Parts of one key tile"); not measured yet
+    # reduce of 5 parts instead of 2 (docs/kernels.md, "Parts of one key tile"); H100: qwen3moe-shape b = 1 1.3-1.8 %
+    # faster, b = 16 and mixtral-shape equal within noise (b = 64 not measured yet)
     decode_part_keys: int = 64
     # EXPERIMENTAL: decode steps whose sequences share cached prompt blocks (a system prompt, the samples of one
     # request) attend those blocks once per group of up to 16 / (heads per kv head) sequences, their query heads side
@@ -81,7 +82,8 @@ class CudaOptions:
     # write, decode attention and its reduce, router, 8-bit projections and experts, combine, argmax) in variants
     # that wait for their predecessor first, and captured graphs join them by programmatic edges (sm_90: a kernel's
     # blocks start while the one before drains; kernels/programmatic.py). The same bits. Engines with an expert
-    # cache, and devices before sm_90, run the plain kernels (False: every kernel starts when the one before ends)
+    # cache, and devices before sm_90, run the plain kernels. Measured slower (H100: qwen3moe-shape b = 1 steps 5-8 %
+    # longer, b = 16 equal; docs/kernels.md) (False: every kernel starts when the one before ends)
     programmatic_launch: bool = False
     # on an sm_90 device, grouped-MMA steps (bf16 and 8-bit) with at least moe_grouped_mma.WGMMA_MIN_ROWS rows per
     # routed expert run the warpgroup-MMA kernels (moe_gemm_wgmma, moe_gemm_q8wgmma) (False: the mma.sync kernels

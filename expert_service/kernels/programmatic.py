@@ -67,7 +67,7 @@ def active() -> bool:
 def compiled(kernel, wait: bool, launch_bounds=None):
     """`jit_cache.cached_jit(kernel)`, registered as a waiting variant when `wait` (its python function is one
     of `waiting_functions()`, its overloads' handles among `handles()`)."""
-    dispatcher = cached_jit(kernel, launch_bounds=launch_bounds)
+    dispatcher = cached_jit(kernel) if launch_bounds is None else cached_jit(kernel, launch_bounds=launch_bounds)
     if wait:
         _WAITING.append(dispatcher)
         _WAITING_FUNCTIONS.add(kernel)
