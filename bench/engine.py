@@ -177,6 +177,20 @@ def device_used_bytes() -> int:
     return total - free
 
 
+def start_decodes(engine, ids: list[int], vocab: int, rng, context: int = DECODE_CONTEXT) -> None:
+    """Random `context`-token prompts for sequences `ids`, prefilled in steps of 16 (the step budget), then three
+    decode steps of all of them (eager, captured, replayed): the next decode step replays its bucket's graph."""
+    from expert_service.engine.engine import PrefillInput
+    from expert_service.engine.sampling import SamplingParams
+
+    for start in range(0, len(ids), 16):
+        engine.step(
+            [PrefillInput(i, rng.integers(0, vocab, context), SamplingParams(), True) for i in ids[start : start + 16]]
+        )
+    for _ in range(3):
+        engine.step(decode_ids=ids)
+
+
 def pipelined_decode(engine, ids: list[int], thread, step_bytes) -> tuple[float, float]:
     """Decode steps as the worker serves a router's step stream: a StepPump on a model thread, two steps in
     flight from the sender (the router's pipeline_depth), so the worker launches step t+1 before it collects
@@ -271,15 +285,7 @@ def bench_colibri(model_dir: Path, vocab: int, cuda_options: dict | None, hbm_by
     thread = ModelThread("bench-model")
     for b in DECODE_BATCHES:
         ids = list(range(b))
-        for start in range(0, b, 16):  # prompts in chunks of 16 x 128 tokens (the step budget)
-            engine.step(
-                [
-                    PrefillInput(i, rng.integers(0, vocab, DECODE_CONTEXT), SamplingParams(), True)
-                    for i in ids[start : start + 16]
-                ]
-            )
-        for _ in range(3):  # eager, capture, replay
-            engine.step(decode_ids=ids)
+        start_decodes(engine, ids, vocab, rng)
         times, moved = [], []
         for _ in range(DECODE_STEPS):  # one step at a time: each waits for the one before
             start = time.perf_counter()

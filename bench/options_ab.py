@@ -20,7 +20,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.engine import DECODE_CONTEXT, KV_BLOCK, RUN_DTYPES, SHAPES, pipelined_decode, random_model  # noqa: E402
+from bench.engine import (  # noqa: E402
+    DECODE_CONTEXT,
+    KV_BLOCK,
+    RUN_DTYPES,
+    SHAPES,
+    pipelined_decode,
+    random_model,
+    start_decodes,
+)
 
 ROUNDS = 4
 
@@ -31,8 +39,6 @@ def measure(model_dir: Path, vocab: int, variants: dict, batches: list[int], rou
     from expert_service.backends import build_engine
     from expert_service.engine.config import EngineConfig
     from expert_service.engine.cuda_options import CudaOptions
-    from expert_service.engine.engine import PrefillInput
-    from expert_service.engine.sampling import SamplingParams
     from expert_service.serving.lifecycle import ModelThread
 
     rng = np.random.default_rng(0)
@@ -54,15 +60,7 @@ def measure(model_dir: Path, vocab: int, variants: dict, batches: list[int], rou
                 engine.decoder.set_options(CudaOptions(**options))
                 for b in batches:
                     ids = list(range(b))
-                    for start in range(0, b, 16):
-                        engine.step(
-                            [
-                                PrefillInput(i, rng.integers(0, vocab, DECODE_CONTEXT), SamplingParams(), True)
-                                for i in ids[start : start + 16]
-                            ]
-                        )
-                    for _ in range(3):  # eager, capture, replay
-                        engine.step(decode_ids=ids)
+                    start_decodes(engine, ids, vocab, rng)
                     seconds, _ = pipelined_decode(engine, ids, thread, lambda result, context: 0)
                     times[name][str(b)].append(seconds * 1e3)
                     engine.clear()

@@ -35,6 +35,7 @@ from numba import cuda, types
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from expert_service.kernels.numeric import WARP, u32_as_f32, warp_sum  # noqa: E402
+from expert_service.kernels.programmatic import dispatcher_handles  # noqa: E402
 from expert_service.kernels.ptx import (  # noqa: E402
     griddep_launch_dependents,
     griddep_wait,
@@ -139,32 +140,6 @@ def prefetches_before_the_wait(order: dict) -> bool:
     return len(order["wait"]) == 1 and max(order["weights"]) < order["wait"][0] < min(order["x"])
 
 
-def programmatic_edges(graph) -> int:
-    """Turns every kernel -> kernel edge of a captured graph into a programmatic one (from the PROGRAMMATIC
-    port); returns how many. cuda.bindings 12 names the edge-data calls *_v2, 13 drops the suffix."""
-    from cuda.bindings import driver as drv
-
-    from expert_service.cuda.driver import check
-
-    get = getattr(drv, "cuGraphGetEdges_v2", None) or drv.cuGraphGetEdges
-    add = getattr(drv, "cuGraphAddDependencies_v2", None) or drv.cuGraphAddDependencies
-    remove = getattr(drv, "cuGraphRemoveDependencies_v2", None) or drv.cuGraphRemoveDependencies
-    n = check(get(graph, 0))[-1]
-    sources, targets = check(get(graph, n))[:2]
-    kernel = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
-    changed = 0
-    for a, b in zip(sources, targets):
-        if check(drv.cuGraphNodeGetType(a)) != kernel or check(drv.cuGraphNodeGetType(b)) != kernel:
-            continue
-        data = drv.CUgraphEdgeData()
-        data.type = drv.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
-        data.from_port = drv.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
-        check(remove(graph, [a], [b], None, 1))
-        check(add(graph, [a], [b], [data], 1))
-        changed += 1
-    return changed
-
-
 def run_chain(kernel, weights, buffers, n_rows: int, stream, launches: int = LAUNCHES) -> None:
     """launches GEMVs, launch j on weight copy j % copies, reading buffers[j % 2] and writing the other."""
     for j in range(launches):
@@ -178,6 +153,7 @@ def timed_chain(kernel, weights, x0, n_rows: int, stream, programmatic: bool) ->
     captured in one graph."""
     from cuda.bindings import driver as drv
 
+    from expert_service.cuda import driver
     from expert_service.cuda.driver import check, stream_handle
 
     buffers = [cuda.to_device(x0, stream=stream), cuda.device_array(n_rows, np.float32, stream=stream)]
@@ -191,7 +167,7 @@ def timed_chain(kernel, weights, x0, n_rows: int, stream, programmatic: bool) ->
     check(drv.cuStreamBeginCapture(handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
     launch_all()
     graph = check(drv.cuStreamEndCapture(handle))
-    changed = programmatic_edges(graph) if programmatic else 0
+    changed = driver.programmatic_edges(graph, dispatcher_handles(kernel)) if programmatic else 0
     exec_ = check(drv.cuGraphInstantiate(graph, 0))
     check(drv.cuGraphDestroy(graph))
     buffers[0].copy_to_device(x0, stream=stream)  # one replay from x0: what the timed graph computes

@@ -64,7 +64,7 @@ LAYOUT = {"q8_mma_max_tokens": 64, "q8_mma_max_tokens_few_experts": 64, "q8_acti
 
 
 def measure(engine, vocab: int, steps: int) -> dict:
-    from bench.engine import strategies
+    from bench.engine import start_decodes, strategies
     from expert_service.engine.engine import PrefillInput
     from expert_service.engine.sampling import SamplingParams
 
@@ -84,15 +84,7 @@ def measure(engine, vocab: int, steps: int) -> dict:
         out["prefill_tok_s"][f"{b}x{n}"] = b * n / best
     for b in DECODE:
         ids = list(range(b))
-        for first in range(0, b, 16):
-            engine.step(
-                [
-                    PrefillInput(i, rng.integers(0, vocab, CONTEXT), SamplingParams(), True)
-                    for i in ids[first : first + 16]
-                ]
-            )
-        for _ in range(3):  # eager, capture, replay
-            engine.step(decode_ids=ids)
+        start_decodes(engine, ids, vocab, rng, CONTEXT)
         times = []
         for _ in range(steps):
             start = time.perf_counter()

@@ -82,11 +82,12 @@ def waiting_functions() -> frozenset:
 def handles() -> set[int]:
     """The CUfunction handles of every compiled overload of every registered waiting variant: the graph nodes
     whose incoming kernel edges may be programmatic."""
-    found = set()
-    for dispatcher in _WAITING:
-        for kernel in getattr(dispatcher, "overloads", {}).values():
-            found.add(int(kernel._codelibrary.get_cufunc().handle))
-    return found
+    return set().union(*(dispatcher_handles(dispatcher) for dispatcher in _WAITING))
+
+
+def dispatcher_handles(dispatcher) -> set[int]:
+    """The kernel handles of a jitted kernel's compiled overloads (what its graph nodes run)."""
+    return {int(kernel._codelibrary.get_cufunc().handle) for kernel in getattr(dispatcher, "overloads", {}).values()}
 
 
 @functools.cache
