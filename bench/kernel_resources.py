@@ -104,10 +104,28 @@ def wait_order(cubin: bytes, nvdisasm: str) -> dict:
         f.flush()
         sass = subprocess.run([nvdisasm, f.name], capture_output=True, text=True, check=True).stdout
     ops = [m.group(1) for m in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)", sass)]
+    return load_order(ops)
+
+
+def load_order(ops: list[str]) -> dict:
+    """wait_order's figures from a kernel's SASS opcodes in order. A weight stream is an `.nc` load that skips L1
+    (`LDG...NA...CONSTANT`); a coherent load that skips L1 is not one. Also counted: `.nc` loads that are not
+    weight streams anywhere in the kernel (`LDG...CONSTANT` without `.NA`), which a waiting variant must not have
+    (ptxas may move them above the wait)."""
     waits = [i for i, op in enumerate(ops) if op.startswith("ACQBULK")]
     first = waits[0] if waits else len(ops)
-    early = [op for op in ops[:first] if GLOBAL_ACCESS.match(op) and ".NA" not in op]
-    return {"waits": len(waits), "accesses_before_wait": len(early), "early_accesses": sorted(set(early))}
+
+    def stream(op: str) -> bool:
+        return ".NA" in op and ".CONSTANT" in op
+
+    early = [op for op in ops[:first] if GLOBAL_ACCESS.match(op) and not stream(op)]
+    nc = [op for op in ops if op.startswith("LDG") and ".CONSTANT" in op and ".NA" not in op]
+    return {
+        "waits": len(waits),
+        "accesses_before_wait": len(early),
+        "early_accesses": sorted(set(early)),
+        "nc_activation_loads": len(nc),
+    }
 
 
 def kernel_modules(names: list[str] | None):
@@ -174,13 +192,19 @@ def resources(
         waiting = fn in programmatic.waiting_functions()
         if waiting:
             row["waiting"] = True
-        if resources_of is None or name in resources_of or waiting:
-            report, cubin = link_report(ptx, "sm_" + "".join(map(str, cc)))
-            row.update(report)
-            if nvdisasm:
-                row.update(sass_mix(cubin, nvdisasm))
-                if waiting:
-                    row.update(wait_order(cubin, nvdisasm))
+        # waiting variants are linked and read whenever anything is (their load order is checked), not for an
+        # explicitly empty resources_of
+        if resources_of is None or name in resources_of or (waiting and resources_of):
+            try:
+                report, cubin = link_report(ptx, "sm_" + "".join(map(str, cc)))
+                row.update(report)
+                if nvdisasm:
+                    row.update(sass_mix(cubin, nvdisasm))
+                    if waiting:
+                        row.update(wait_order(cubin, nvdisasm))
+            except Exception as e:
+                failed.append(f"{label} (link): {type(e).__name__}: {e}")
+                continue
         rows.append(row)
         print_row(row)
     return rows, failed

@@ -6,7 +6,7 @@ ms a step of each variant, and each variant's speed-up over the first. Random we
 written straight into the model format), no transformers model.
 
     python bench/options_ab.py --out out/ab.json --shapes qwen3moe-shape --expert-dtype bfloat16,int8+head+attn \\
-        --variants '{"default": {}, "pdl": {"programmatic_launch": true}}' [--batches 1,16] [--rounds 4]
+        --variants '{"default": {}, "pdl": {"programmatic_launch": 2}}' [--batches 1,16] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -70,6 +70,19 @@ def measure(model_dir: Path, vocab: int, variants: dict, batches: list[int], rou
     return times
 
 
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive integer")
+    return int(text)
+
+
+def batch_sizes(text: str) -> list[int]:
+    try:
+        return [positive(b) for b in text.split(",")]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated positive integers") from e
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="options_ab.json")
@@ -77,8 +90,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", default="/dev/shm/colibri-ab")
     parser.add_argument("--expert-dtype", default="bfloat16", help=f"comma-separated of {', '.join(RUN_DTYPES)}")
     parser.add_argument("--variants", required=True, help='{"name": {CudaOptions fields}, ...}; the first is the base')
-    parser.add_argument("--batches", default="1,16")
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--batches", type=batch_sizes, default="1,16", help="comma-separated decode batch sizes")
+    parser.add_argument("--rounds", type=positive, default=ROUNDS)
     args = parser.parse_args(argv)
     try:
         variants = json.loads(args.variants)
@@ -96,7 +109,7 @@ def main(argv=None) -> int:
     for value, known, flag in ((dtypes, RUN_DTYPES, "--expert-dtype"), (shapes, SHAPES, "--shapes")):
         if not set(value) <= set(known):
             parser.error(f"{flag} {','.join(value)}: each must be one of {', '.join(known)}")
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     import torch
 
     results: dict = {"device": torch.cuda.get_device_name(), "variants": variants, "rounds": args.rounds, "runs": {}}

@@ -102,7 +102,8 @@ VARIANTS = {
     # and parts of one 32-key tile: a lone sequence over 128 tokens in 4 parts a head group instead of 2
     "tile_parts": {"decode_splits_per_step": True, "decode_part_keys": 32},
     "ranked_router": {"ranked_router": True},
-    "programmatic": {"programmatic_launch": True},
+    "programmatic": {"programmatic_launch": 1},  # every kernel of the chain waits first
+    "weights_first": {"programmatic_launch": 2},  # the dense GEMVs load their first weights, then wait
     "l2_prefetch": {"l2_prefetch": True},
     # mixtral-like layers: steps from 96 rows an expert up to 2,048 tokens on the wgmma grouped kernel (the shipped
     # window, `fused`, stops at 1,024), or none (every step above 64 tokens on per-expert cuBLAS)

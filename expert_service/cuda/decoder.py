@@ -72,6 +72,12 @@ from expert_service.kernels.attention_decode_mma import MMA_DECODE_MIN_SEQS
 log = logging.getLogger("colibri.worker.cuda")
 
 
+def programmatic_refusal(cached: bool) -> str:
+    """The one-line warning of an engine given programmatic_launch that runs the plain kernels instead."""
+    why = "its expert cache writes weights mid-step" if cached else "its device is older than sm_90"
+    return f"cuda_options.programmatic_launch: off on this engine, {why}"
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchedForward:
     """A step issued on the stream: its results are on their way to host copy `twin` of the readbacks."""
@@ -164,10 +170,10 @@ class CudaDecoder:
             if cached
             else None
         )  # None: every expert resident, no cache logic runs
-        if config.cuda_options.programmatic_launch and self.cached is not None:
-            log.warning(
-                "cuda_options.programmatic_launch: off on this engine, its expert cache writes weights mid-step"
-            )
+        # this engine's device (current while it is built) and no expert cache, whose copies write weights mid-step
+        self._programmatic_usable = self.cached is None and programmatic.supported()
+        if config.cuda_options.programmatic_launch and not self._programmatic_usable:
+            log.warning(programmatic_refusal(self.cached is not None))
         self.model = CudaModel(
             cfg,
             self.weights,
@@ -509,17 +515,17 @@ class CudaDecoder:
 
     # --- the forward pass (eager, or captured into a graph) -----------------------------------------
     def _run(self, T: int, S: int, R: int, decode: bool, shared: bool = False) -> None:
-        with programmatic.launches(decode and self.programmatic_launches):
+        with programmatic.launches(self.programmatic_launches if decode else programmatic.OFF):
             self.model.layers(T, S, decode, shared)
             if R:
                 self.model.head(T, R)
 
     @property
-    def programmatic_launches(self) -> bool:
-        """Whether decode steps launch the kernel variants that wait for their predecessor (programmatic_launch):
-        on an sm_90 or later device (the simulator runs them as plain kernels) without an expert cache, whose
-        copies rewrite the slots the kernels stream weights from within the step."""
-        return self.options.programmatic_launch and self.cached is None and programmatic.supported()
+    def programmatic_launches(self) -> int:
+        """The programmatic-launch level decode steps are issued at (programmatic_launch; 0: off): on an sm_90 or
+        later device (the simulator runs the variants as plain kernels) without an expert cache, whose copies
+        rewrite the slots the kernels stream weights from within the step."""
+        return self.options.programmatic_launch if self._programmatic_usable else programmatic.OFF
 
     @property
     def options(self) -> CudaOptions:
@@ -567,6 +573,8 @@ class CudaDecoder:
                     f"cuda_options: per-expert cuBLAS on 8-bit experts needs a one-expert dense scratch the device "
                     f"could not give ({type(e).__name__}); give the options to the engine's config instead"
                 ) from e
+        if options.programmatic_launch and not self._programmatic_usable:
+            log.warning(programmatic_refusal(self.cached is not None))
         self.drop_graphs()
         self.model.use_options(options)
 

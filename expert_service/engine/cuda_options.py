@@ -80,11 +80,12 @@ class CudaOptions:
     ranked_router: bool = False
     # EXPERIMENTAL: decode steps launch the kernels of their one-token chain (embedding, norms, GEMVs, RoPE + KV
     # write, decode attention and its reduce, router, 8-bit projections and experts, combine, argmax) in variants
-    # that wait for their predecessor first, and captured graphs join them by programmatic edges (sm_90: a kernel's
-    # blocks start while the one before drains; kernels/programmatic.py). The same bits. Engines with an expert
-    # cache, and devices before sm_90, run the plain kernels. Measured slower (H100: qwen3moe-shape b = 1 steps 5-8 %
-    # longer, b = 16 equal; docs/kernels.md) (False: every kernel starts when the one before ends)
-    programmatic_launch: bool = False
+    # that captured graphs join by programmatic edges (sm_90: a kernel's blocks start while the one before drains;
+    # kernels/programmatic.py), the same bits. 1: every kernel waits for its predecessor first (measured slower, H100:
+    # qwen3moe-shape b = 1 steps 5-8 % longer, b = 16 equal; docs/kernels.md); 2: only the dense GEMVs wait, after
+    # issuing their first weight loads, the other kernels only let them start (not measured yet). Engines with an
+    # expert cache, and devices before sm_90, run the plain kernels (0: every kernel starts when the one before ends)
+    programmatic_launch: int = 0
     # on an sm_90 device, grouped-MMA steps (bf16 and 8-bit) with at least moe_grouped_mma.WGMMA_MIN_ROWS rows per
     # routed expert run the warpgroup-MMA kernels (moe_gemm_wgmma, moe_gemm_q8wgmma) (False: the mma.sync kernels
     # moe_gemm_mma / moe_gemm_q8mma at every size)
@@ -163,6 +164,9 @@ class CudaOptions:
         keys = self.decode_part_keys
         if isinstance(keys, bool) or not isinstance(keys, int) or not 32 <= keys < 1 << 31 or keys % 32:
             raise ValueError(f"cuda_options.decode_part_keys: must be a positive multiple of 32, got {keys!r}")
+        level = self.programmatic_launch
+        if isinstance(level, bool) or level not in (0, 1, 2):
+            raise ValueError(f"cuda_options.programmatic_launch: must be 0, 1 or 2, got {level!r}")
         for name in ("grouped_mma_max_tokens_few_experts", "attention_8bit_dense_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

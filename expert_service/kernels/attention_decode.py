@@ -241,10 +241,10 @@ _merge = part_merger(False)
 
 
 @functools.cache
-def _build_reduce(wait: bool = False):
-    """(python kernel, jitted) of the split-K reduce; wait: the variant that waits for a programmatic predecessor
-    first (kernels/programmatic.py)."""
-    prologue = programmatic.prologue(wait)
+def _build_reduce(mode: int = 0):
+    """(python kernel, jitted) of the split-K reduce; mode: the programmatic-launch variant
+    (kernels/programmatic.py)."""
+    prologue = programmatic.prologue(mode)
 
     def attention_decode_reduce_kernel(context_lens, positions, window, min_keys, part_out, part_ml, out):
         """Merge the split-K partials of the parts each sequence used (part_range: none when it used one, whose
@@ -257,7 +257,7 @@ def _build_reduce(wait: bool = False):
         if parts > 1:
             _merge(part_out, part_ml, parts, part_out, part_ml, 0, s, cuda.blockIdx.y, out)
 
-    return attention_decode_reduce_kernel, programmatic.compiled(attention_decode_reduce_kernel, wait)
+    return attention_decode_reduce_kernel, programmatic.compiled(attention_decode_reduce_kernel, mode)
 
 
 def check_arguments(name, q, k_pool, v_pool, block_tables, context_lens, positions, out, part_out, part_ml):
@@ -301,7 +301,7 @@ def launch_attention_decode(q, k_pool, v_pool, block_tables, context_lens, posit
 
 def reduce_parts(context_lens, positions, window: int, min_keys: int, part_out, part_ml, out, stream=0) -> None:
     """The split-K reduce of attention_decode and attention_decode_tiled (the same part_range)."""
-    _build_reduce(programmatic.active())[1][(out.shape[0], out.shape[1]), THREADS, stream](
+    _build_reduce(programmatic.mode())[1][(out.shape[0], out.shape[1]), THREADS, stream](
         context_lens, positions, np.int32(window), np.int32(min_keys), part_out, part_ml, out)
 
 

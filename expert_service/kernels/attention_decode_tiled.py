@@ -61,9 +61,9 @@ def _dot8(sq, o, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @functools.cache
-def _build(head_dim: int, gt: int, wait: bool = False):
+def _build(head_dim: int, gt: int, mode: int = 0):
     chunks = head_dim // 8                 # 16-byte chunks per key row
-    prologue = programmatic.prologue(wait)    # kernels/programmatic.py
+    prologue = programmatic.prologue(mode)    # kernels/programmatic.py
     row_u64 = head_dim // 4
     tile_u64 = KT * row_u64
     copies = KT * chunks // THREADS        # 16-byte copies per thread per tile and matrix
@@ -234,7 +234,7 @@ def _build(head_dim: int, gt: int, wait: bool = False):
                         part_ml[s, h0 + g, split, 0] = sm[g]
                         part_ml[s, h0 + g, split, 1] = sl[g]
 
-    return attention_decode_tiled_kernel, programmatic.compiled(attention_decode_tiled_kernel, wait)
+    return attention_decode_tiled_kernel, programmatic.compiled(attention_decode_tiled_kernel, mode)
 
 
 def launch_attention_decode_tiled(q, k_pool, v_pool, block_tables, context_lens, positions, window: int,
@@ -248,7 +248,7 @@ def launch_attention_decode_tiled(q, k_pool, v_pool, block_tables, context_lens,
     if num_seqs == 0:
         return
     gt = group_tile(num_heads // num_kv_heads)
-    kernel = _build(head_dim, gt, programmatic.active())[1]
+    kernel = _build(head_dim, gt, programmatic.mode())[1]
     if splits == 1:
         part_out = part_ml = out.reshape(num_seqs, num_heads, 1, head_dim)
     kernel[(num_seqs, num_heads // gt, splits), THREADS, stream](

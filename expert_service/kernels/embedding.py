@@ -26,9 +26,9 @@ THREADS = 128   # 4 warps; D=4096 -> 32 elements per thread
 
 
 @functools.cache
-def _build(weight_dtype, wait: bool = False):
+def _build(weight_dtype, mode: int = 0):
     widen = widener(weight_dtype)
-    prologue = programmatic.prologue(wait)  # kernels/programmatic.py
+    prologue = programmatic.prologue(mode)  # kernels/programmatic.py
 
     def embedding_kernel(ids, table, out):
         """ids: [T] int32 token ids (0 <= id < V). table: [V, D] W. out: [T, D] float32.
@@ -57,9 +57,9 @@ def _build(weight_dtype, wait: bool = False):
 
     return (
         embedding_kernel,
-        programmatic.compiled(embedding_kernel, wait),
+        programmatic.compiled(embedding_kernel, mode),
         embedding_fed_kernel,
-        programmatic.compiled(embedding_fed_kernel, wait),
+        programmatic.compiled(embedding_fed_kernel, mode),
     )
 
 
@@ -79,7 +79,7 @@ def launch_embedding(ids, table, out, stream=0, threads=THREADS, feed=None, fed=
             (feed.shape, feed.dtype, fed.shape, fed.dtype)
     if ids.shape[0] == 0:
         return
-    kernels = _build(np.dtype(table.dtype), programmatic.active())
+    kernels = _build(np.dtype(table.dtype), programmatic.mode())
     grid = (ids.shape[0], blocks_per_row(ids.shape[0], table.shape[1], threads))
     if feed is None:
         kernels[1][grid, threads, stream](ids, table, out)

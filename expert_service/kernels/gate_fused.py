@@ -58,11 +58,11 @@ def blocks_per_token(n_exp: int, split: int) -> int:
 
 
 @functools.cache
-def _build(dtype, wide: bool, ranked: bool = False, wait: bool = False):
-    """wait: the variant that waits for a programmatic predecessor first (kernels/programmatic.py)."""
+def _build(dtype, wide: bool, ranked: bool = False, mode: int = 0):
+    """mode: the programmatic-launch variant (kernels/programmatic.py)."""
     widen = widener(dtype)
-    prologue = programmatic.prologue(wait)
-    ld_x = programmatic.activation_load(wait)
+    prologue = programmatic.prologue(mode)
+    ld_x = programmatic.activation_load(mode)
 
     if wide:
         @cuda.jit(device=True, inline=True)
@@ -191,7 +191,7 @@ def _build(dtype, wide: bool, ranked: bool = False, wait: bool = False):
             for k in range(top_k):                # thread 0 reads back only its own writes
                 weights[t, k] = weights[t, k] / chosen
 
-    return gate_fused_kernel, programmatic.compiled(gate_fused_kernel, wait)
+    return gate_fused_kernel, programmatic.compiled(gate_fused_kernel, mode)
 
 
 @cuda.jit(device=True, inline=True)
@@ -263,7 +263,7 @@ def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter,
     wide = _wide(weight, D)
     split = split_for(n_exp, D, wide)
     flat = weight.reshape(weight.size)
-    kernel = _build(np.dtype(weight.dtype).type, wide, ranked, programmatic.active())[1]
+    kernel = _build(np.dtype(weight.dtype).type, wide, ranked, programmatic.mode())[1]
     kernel[n_tok * blocks_per_token(n_exp, split), THREADS, stream](
         x.reshape(n_tok * D), np.int64(D), flat.view(np.uint32) if wide else flat, np.int32(n_exp), np.int32(split),
         ids, weights, np.int32(1 if normalize else 0), counter, logits)

@@ -21,9 +21,9 @@ DST_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint16))
 
 
 @functools.cache
-def _build(dst_dtype, wait: bool = False):
+def _build(dst_dtype, mode: int = 0):
     store = storer(dst_dtype)
-    prologue = programmatic.prologue(wait)  # kernels/programmatic.py
+    prologue = programmatic.prologue(mode)  # kernels/programmatic.py
 
     def gather_rows_kernel(src, index, divisor, dst):
         """src [R, D] f32, index [n] int32, divisor int32, dst [n * D] flat, of dst_dtype. Grid (n, Y),
@@ -36,7 +36,7 @@ def _build(dst_dtype, wait: bool = False):
         for d in range(first, width, step):
             store(dst, p * width + d, src[row, d])
 
-    return gather_rows_kernel, programmatic.compiled(gather_rows_kernel, wait)
+    return gather_rows_kernel, programmatic.compiled(gather_rows_kernel, mode)
 
 
 def launch_gather_rows(src, index, dst, divisor: int = 1, stream=0) -> None:
@@ -48,7 +48,7 @@ def launch_gather_rows(src, index, dst, divisor: int = 1, stream=0) -> None:
     n = index.shape[0]
     if n:
         grid = (n, blocks_per_row(n, src.shape[1], THREADS))
-        _build(np.dtype(dst.dtype), programmatic.active())[1][grid, THREADS, stream](src, index, np.int32(divisor), dst.reshape(-1))
+        _build(np.dtype(dst.dtype), programmatic.mode())[1][grid, THREADS, stream](src, index, np.int32(divisor), dst.reshape(-1))
 
 
 def sm90_signatures():

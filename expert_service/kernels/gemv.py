@@ -48,6 +48,7 @@ MODE_STORE, MODE_ACCUMULATE, MODE_SWIGLU = 0, 1, 2
 _DTYPES = (np.uint16, np.float16, np.float32)   # uint16 = bfloat16 bits
 _MAX_ROWS = 4             # weight rows per warp (dense ROWS <= 4, gated 2 * ROWS <= 4)
 _RED_SHAPE = (MAX_SPLIT * BLOCK_WARPS, _MAX_ROWS)   # per-warp partial sums (up to 64 warps)
+MODES = (programmatic.PLAIN, programmatic.WAIT, programmatic.TRIGGER, programmatic.PREFETCH)  # the sm_90 check's
 
 
 class LaunchShape(NamedTuple):
@@ -70,13 +71,13 @@ def launch_shape_for(n_rows: int, n_chunks: int, slots: int, gated: bool) -> Lau
     return LaunchShape(rows, split, max(1, BLOCK_WARPS // split))
 
 
-def _chunk_ops(dtype, wide: bool, wait: bool):
+def _chunk_ops(dtype, wide: bool, mode: int):
     """Device fns for one 16-byte chunk (wide) or one element (narrow) of a weight row:
     fetch(w, off, raw, i) loads it into raw[i, :]; load_x(x, off, xv, u) puts the matching x values in
     xv[u, :] (coherently in a waiting variant, kernels/programmatic.py); dot(raw, i, xv, u) -> float32 sum of
     their products. Also raw's dtype and width, and x values per chunk."""
     dt = np.dtype(dtype)
-    ld_x = programmatic.activation_load(wait)
+    ld_x = programmatic.activation_load(mode)
     per = (8 if dt.itemsize == 2 else 4) if wide else 1     # x values per chunk
     if not wide:
         widen = widener(dt)
@@ -139,11 +140,13 @@ def _chunk_ops(dtype, wide: bool, wait: bool):
 
 
 @functools.cache
-def _build(dtype, wide: bool, rows: int, gated: bool, wait: bool = False):
+def _build(dtype, wide: bool, rows: int, gated: bool, launch_mode: int = 0):
     """(python kernel, jitted kernel) for weight storage dtype, 16-byte (wide) or scalar chunks, ROWS, gated;
-    wait: the variant that waits for a programmatic predecessor first (kernels/programmatic.py)."""
-    fetch, load_x, dot, raw_dtype, raw_width, per = _chunk_ops(dtype, wide, wait)
-    prologue = programmatic.prologue(wait)
+    launch_mode: the programmatic-launch variant (kernels/programmatic.py; PREFETCH: dense launches only, their
+    first step's weight loads issued before the wait)."""
+    fetch, load_x, dot, raw_dtype, raw_width, per = _chunk_ops(dtype, wide, launch_mode)
+    prologue, late_wait = programmatic.prologue(launch_mode), programmatic.late_wait(launch_mode)
+    prefetch = launch_mode == programmatic.PREFETCH
     widen = widener(dtype)
     wpc = 4 if wide else 1                    # w array units (u32 words or elements) per chunk
     nw = rows * (2 if gated else 1)           # weight rows streamed by one warp
@@ -152,10 +155,10 @@ def _build(dtype, wide: bool, rows: int, gated: bool, wait: bool = False):
     raw_shape, xv_shape = (nw * unroll, raw_width), (unroll, per)   # local shapes must be closure constants
 
     @cuda.jit(device=True, inline=True)
-    def chunk_step(x, xoff, wa, wb, roff, c0, end, checked, raw, xv, acc):
-        """Chunks c0 + 32u (u < UNROLL) of every weight row into acc. All weight loads are issued first
-        (independent, in flight together), then x and the FMAs. checked (constant at each call site): test
-        c < end, only in the last partial step, so the main loop has no branches."""
+    def fetch_step(wa, wb, roff, c0, end, checked, raw):
+        """The weight loads of chunks c0 + 32u (u < UNROLL) of every weight row into raw: independent, in flight
+        together. checked (constant at each call site): chunks at or past `end` are zeros, only in the last
+        partial step, so the main loop has no branches."""
         for u in range(unroll):
             c = c0 + u * WARP
             ok = not checked or c < end
@@ -168,6 +171,10 @@ def _build(dtype, wide: bool, rows: int, gated: bool, wait: bool = False):
                     for j in range(raw_width):
                         raw[r * unroll + u, j] = 0
                         raw[(nw - rows + r) * unroll + u, j] = 0
+
+    @cuda.jit(device=True, inline=True)
+    def use_step(x, xoff, c0, end, checked, raw, xv, acc):
+        """x for the chunks fetch_step loaded, and their FMAs into acc."""
         for u in range(unroll):
             c = c0 + u * WARP
             if not checked or c < end:
@@ -177,6 +184,13 @@ def _build(dtype, wide: bool, rows: int, gated: bool, wait: bool = False):
                     xv[u, j] = np.float32(0.0)
             for r in range(nw):
                 acc[r] += dot(raw, r * unroll + u, xv, u)
+
+    @cuda.jit(device=True, inline=True)
+    def chunk_step(x, xoff, wa, wb, roff, c0, end, checked, raw, xv, acc):
+        """Chunks c0 + 32u (u < UNROLL) of every weight row into acc: all weight loads first, then x and the
+        FMAs."""
+        fetch_step(wa, wb, roff, c0, end, checked, raw)
+        use_step(x, xoff, c0, end, checked, raw, xv, acc)
 
     def gemv_kernel(x, x_stride, ids, use_ids, wa, wb, stride, first, second, row_len, n_rows, n_chunks,
                     split, bias, has_bias, mode, out):
@@ -200,7 +214,10 @@ def _build(dtype, wide: bool, rows: int, gated: bool, wait: bool = False):
         s = warp - g * split
         slot = cuda.blockIdx.y
         row0 = (cuda.blockIdx.x * groups + g) * rows
-        e = ids[slot] if use_ids != 0 else 0
+        if prefetch:
+            e = 0  # dense launches only: the rows' addresses need nothing an earlier kernel wrote
+        else:
+            e = ids[slot] if use_ids != 0 else 0
         base = e * stride
         for r in range(rows):
             row = min(row0 + r, n_rows - 1)   # rows past the end re-read the last row and are never written
@@ -215,9 +232,24 @@ def _build(dtype, wide: bool, rows: int, gated: bool, wait: bool = False):
         begin = min(s * span, n_chunks)    # short K: trailing warps get an empty range
         end = min(begin + span, n_chunks)
         full = begin + (end - begin) // step * step
-        for c0 in range(begin + lane, full, step):
+        c_first = begin + lane
+        tail = full < end
+        if prefetch:  # the first step's weights in flight while the predecessor drains, then the wait
+            whole = full > begin
+            if whole:
+                fetch_step(wa, wb, roff, c_first, end, False, raw)
+            elif tail:
+                fetch_step(wa, wb, roff, c_first, end, True, raw)
+            late_wait()
+            if whole:
+                use_step(x, xoff, c_first, end, False, raw, xv, acc)
+                c_first += step
+            elif tail:
+                use_step(x, xoff, c_first, end, True, raw, xv, acc)
+                tail = False
+        for c0 in range(c_first, full, step):
             chunk_step(x, xoff, wa, wb, roff, c0, end, False, raw, xv, acc)
-        if full < end:
+        if tail:
             chunk_step(x, xoff, wa, wb, roff, full + lane, end, True, raw, xv, acc)
         for r in range(nw):
             total = warp_sum(acc[r])
@@ -246,7 +278,7 @@ def _build(dtype, wide: bool, rows: int, gated: bool, wait: bool = False):
                     else:
                         out[slot, row] = a
 
-    return gemv_kernel, programmatic.compiled(gemv_kernel, wait)
+    return gemv_kernel, programmatic.compiled(gemv_kernel, launch_mode)
 
 
 def _aligned(a) -> bool:
@@ -276,7 +308,8 @@ def _launch(x, x_stride, ids, wa, wb, stride, first, second, row_len, n_rows, sl
     shape = shape or launch_shape_for(n_rows, n_chunks, slots, gated)
     if shape.rows * (2 if gated else 1) > _MAX_ROWS or shape.groups * shape.split > _RED_SHAPE[0]:
         raise ValueError(f"shape {shape} exceeds {_MAX_ROWS} weight rows per warp or {_RED_SHAPE[0]} warps")
-    kernel = _build(dtype.type, wide, shape.rows, gated, programmatic.active())[1]
+    # dense launches may load their first weights before the wait; expert launches read the router's ids first
+    kernel = _build(dtype.type, wide, shape.rows, gated, programmatic.mode(prefetches=ids is None))[1]
     grid = (-(-n_rows // (shape.rows * shape.groups)), slots)
     block = WARP * shape.groups * shape.split
     use_ids = int(ids is not None)
@@ -363,8 +396,8 @@ def launch_expert_down(h, ids, experts, F: int, D: int, y, stream=0, shape=None)
 
 
 def sm90_signatures():
-    """(python function, numba signature) of every (weight dtype, wide, rows, gated) variant, and the waiting
-    variants of bf16's wide ones."""
+    """(python function, numba signature) of every (weight dtype, wide, rows, gated) variant, and bf16's wide ones
+    in every programmatic-launch mode."""
     i64, f1 = types.int64, types.float32[::1]
     out = []
     for dt in _DTYPES:
@@ -373,8 +406,8 @@ def sm90_signatures():
             w = types.uint32[::1] if wide else nb[::1]
             for gated, choices in ((False, (4, 2, 1)), (True, (2, 1))):
                 for rows in choices:
-                    for wait in (False, True) if wide and dt is np.uint16 else (False,):
-                        out.append((_build(dt, wide, rows, gated, wait)[0],
+                    for mode in MODES if wide and dt is np.uint16 else (programmatic.PLAIN,):
+                        out.append((_build(dt, wide, rows, gated, mode)[0],
                                     (f1, i64, types.int32[::1], i64, w, w, i64, i64, i64, i64, i64, i64, i64,
                                      nb[::1], i64, i64, types.float32[:, ::1])))
     return out

@@ -54,10 +54,10 @@ def _tree(best_v, best_i, bad, tid):
 
 
 @functools.cache
-def _kernels(wait: bool = False):
-    """(parts python kernel, jitted, final python kernel, jitted); wait: the variants that wait for a
-    programmatic predecessor first (kernels/programmatic.py)."""
-    prologue = programmatic.prologue(wait)
+def _kernels(mode: int = 0):
+    """(parts python kernel, jitted, final python kernel, jitted); mode: the
+    programmatic-launch variant (kernels/programmatic.py)."""
+    prologue = programmatic.prologue(mode)
 
     def _argmax_parts_kernel(logits, part_values, part_ids, part_flags):
         """logits [S, V] f32 -> part_values [S, P] f32, part_ids [S, P] int32 (V where the slice has no candidate),
@@ -124,9 +124,9 @@ def _kernels(wait: bool = False):
 
     return (
         _argmax_parts_kernel,
-        programmatic.compiled(_argmax_parts_kernel, wait),
+        programmatic.compiled(_argmax_parts_kernel, mode),
         _argmax_final_kernel,
-        programmatic.compiled(_argmax_final_kernel, wait),
+        programmatic.compiled(_argmax_final_kernel, mode),
     )
 
 
@@ -145,7 +145,7 @@ def launch_greedy_split(logits, ids, flags, part_values, part_ids, part_flags, s
                              f"{list(a.shape)}")
     if rows == 0:
         return
-    _, parts_kernel, _, final_kernel = _kernels(programmatic.active())
+    _, parts_kernel, _, final_kernel = _kernels(programmatic.mode())
     parts_kernel[rows * p, THREADS, stream](logits, part_values, part_ids, part_flags)
     final_kernel[rows, FINAL_THREADS, stream](part_values, part_ids, part_flags, np.int32(vocab), ids, flags)
 

@@ -21,8 +21,8 @@ THREADS = 32 if SIMULATOR else 256    # the simulator pays per thread; the index
 
 
 @functools.cache
-def _build(top_k: int, wait: bool = False):
-    prologue = programmatic.prologue(wait)  # kernels/programmatic.py
+def _build(top_k: int, mode: int = 0):
+    prologue = programmatic.prologue(mode)  # kernels/programmatic.py
 
     def moe_combine_kernel(y, position, weights, h):
         """y [T*K, D] f32 grouped expert outputs, position [T*K] int32 (grouped position of assignment t*K+k),
@@ -44,7 +44,7 @@ def _build(top_k: int, wait: bool = False):
                 acc += w[k] * y[rows[k], d]
             h[t, d] += acc
 
-    return moe_combine_kernel, programmatic.compiled(moe_combine_kernel, wait)
+    return moe_combine_kernel, programmatic.compiled(moe_combine_kernel, mode)
 
 
 def launch_moe_combine(y, position, weights, h, stream=0) -> None:
@@ -59,7 +59,7 @@ def launch_moe_combine(y, position, weights, h, stream=0) -> None:
             raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name} {list(expected[name])}, "
                              f"got {a.dtype} {list(a.shape)}")
     if n_tok:
-        kernel = _build(int(top_k), programmatic.active())[1]
+        kernel = _build(int(top_k), programmatic.mode())[1]
         kernel[(n_tok, blocks_per_row(n_tok, width, THREADS)), THREADS, stream](y, position, weights, h)
 
 

@@ -152,13 +152,13 @@ def _quad_decoder(code: int):
 
 @functools.cache
 def _expert_body(
-    code: int, scheme: int, gated: bool, tokens: int, shape: LaunchShape, accumulate: bool = False, wait: bool = False
+    code: int, scheme: int, gated: bool, tokens: int, shape: LaunchShape, accumulate: bool = False, mode: int = 0
 ):
     """Device fn computing this warp's rows of one expert whose weights are dtype `code` with scale `scheme`,
     gate/up (gated) or down, `tokens` per pass, rows spread as `shape` says (the kernel's arguments, plus the
     expert e, its block and its positions [start, end)). accumulate (down only): out += the sums instead of =.
-    wait: x is loaded coherently (a waiting variant's, kernels/programmatic.py)."""
-    ld_x = programmatic.activation_load(wait)
+    mode: x is loaded coherently in a waiting variant (kernels/programmatic.py)."""
+    ld_x = programmatic.activation_load(mode)
     rows = shape.rows(gated)
     warps = shape.warps
     nw = 2 * rows if gated else rows  # weight rows one warp streams
@@ -292,18 +292,17 @@ def _kernel(
     tokens: int,
     shape: LaunchShape = DECODE_SHAPE,
     accumulate: bool = False,
-    wait: bool = False,
+    mode: int = 0,
 ):
     """(python kernel, jitted kernel) for a layer whose experts have the (code, scheme) pairs `kinds`, gate/up
     (gated) or down, `tokens` per pass, rows spread as `shape` says; accumulate: down adds into out (linear_q8's
-    projections that end in the residual); wait: the variant that waits for a programmatic predecessor first
-    (kernels/programmatic.py)."""
+    projections that end in the residual); mode: the programmatic-launch variant (kernels/programmatic.py)."""
     if accumulate and gated:
         raise ValueError("accumulate is for the down projection (gate/up writes h)")
     # one branch per encoding, in ALL_KINDS order: the layer's kinds get their body, the others an empty one
     # (a branch on values uniform over the block; registers are the largest body's)
-    bodies = [_expert_body(*k, gated, tokens, shape, accumulate, wait) if k in kinds else _absent for k in ALL_KINDS]
-    prologue = programmatic.prologue(wait)
+    bodies = [_expert_body(*k, gated, tokens, shape, accumulate, mode) if k in kinds else _absent for k in ALL_KINDS]
+    prologue = programmatic.prologue(mode)
     body0, body1, body2, body3, body4, body5, body6 = bodies
     (c0, s0), (c1, s1), (c2, s2), (c3, s3), (c4, s4), (c5, s5), (c6, s6) = ALL_KINDS
 
@@ -349,7 +348,7 @@ def _kernel(
         elif code == c6 and scheme == s6:
             body6(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
 
-    return kernel, programmatic.compiled(kernel, wait, launch_bounds=kernel_bounds(kinds, tokens, shape))
+    return kernel, programmatic.compiled(kernel, mode, launch_bounds=kernel_bounds(kinds, tokens, shape))
 
 
 def check_layer(experts, meta, F: int, D: int, slot_of=None, kinds=None) -> tuple[tuple[int, int], ...]:
@@ -403,7 +402,7 @@ def _launch(
         int(slot_of is not None),
         out,
     )
-    kernel = _kernel(kinds, gated, 1 if by_slot else TOK_TILE, shape, accumulate, programmatic.active())[1]
+    kernel = _kernel(kinds, gated, 1 if by_slot else TOK_TILE, shape, accumulate, programmatic.mode())[1]
     kernel[grid, shape.warps * WARP, stream](*args)
 
 
@@ -506,7 +505,7 @@ def sm90_signatures():
     ]
     # the waiting variants of one-token int8 layers (experts and 8-bit attention's o_proj)
     waiting = [
-        (_kernel(kinds, gated, 1, accumulate=added, wait=True)[0], sm90_signature(),
+        (_kernel(kinds, gated, 1, accumulate=added, mode=programmatic.WAIT)[0], sm90_signature(),
          {"launch_bounds": kernel_bounds(kinds, 1)})
         for kinds, gated, added in ((((CODE_INT8, SCALE_CHANNEL),), True, False),
                                     (((CODE_INT8, SCALE_CHANNEL),), False, False),

@@ -14,8 +14,9 @@ moves. Two things make that hold:
   above the wait (the memory model does not cover them), so the variants load activations with
   `ptx.ld_*_coherent`. Weight streams keep `.nc`: they read what no kernel writes while the engine runs, so such a
   load hoisted above the wait reads the same bytes early (an expert cache's slots are written during the step,
-  which is why only engines without one use the variants). `tests/expert_service/kernels/test_programmatic.py`
-  reads each variant's sm_90 SASS: no load but a weight stream before the wait.
+  which is why only engines without one use the variants). The sm_90 compile check
+  (`tests/expert_service/kernels/test_compile_sm90.py`) reads the SASS of the waiting variants the kernel modules
+  list: no global access but a weight stream before the wait, and no `.nc` load but weight streams anywhere.
 
 How the variants are used: the decoder issues a step inside `launches(True)`; launchers that have a variant ask
 `active()` and build the waiting one (a compile-time flag of their kernel factory, `prologue(True)` at its top),
@@ -27,7 +28,6 @@ return at once.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 
 from numba import cuda
@@ -40,35 +40,61 @@ _state = threading.local()
 _WAITING: list = []  # dispatchers of waiting variants (kernel factories cache them: each is built once)
 _WAITING_FUNCTIONS: set = set()
 
+# The variant a kernel factory builds (its `mode`): PLAIN; WAIT: trigger, then wait, as its first statements;
+# TRIGGER: trigger only (it never waits, so no programmatic edge may reach it); PREFETCH: trigger, issue the
+# first weight loads, then wait (a GEMV's weights are what no kernel writes).
+PLAIN, WAIT, TRIGGER, PREFETCH = 0, 1, 2, 3
+# The levels a decode step is issued at (CudaOptions.programmatic_launch): OFF; EVERY_KERNEL: every kernel of the
+# chain WAIT; WEIGHTS_FIRST: the GEMVs PREFETCH, every other kernel TRIGGER, so only edges into GEMVs are
+# programmatic and those kernels' weights stream while their predecessor drains.
+OFF, EVERY_KERNEL, WEIGHTS_FIRST = 0, 1, 2
+LEVELS = (OFF, EVERY_KERNEL, WEIGHTS_FIRST)
+
 
 @contextlib.contextmanager
-def launches(enabled: bool):
-    """Launchers called on this thread inside the block build their waiting variants when `enabled`."""
+def launches(level: int):
+    """Launchers called on this thread inside the block build the variants of `level` (LEVELS)."""
     previous = active()
-    _state.enabled = enabled
+    _state.level = level
     try:
         yield
     finally:
-        _state.enabled = previous
+        _state.level = previous
 
 
-@functools.cache
 def supported() -> bool:
-    """Whether the device runs the waiting variants' instructions (sm_90 and later); the simulator runs them as
+    """Whether the current device runs the variants' instructions (sm_90 and later); the simulator runs them as
     plain kernels."""
     return SIMULATOR or cuda.get_current_device().compute_capability >= (9, 0)
 
 
-def active() -> bool:
-    """Whether launchers on this thread are to build waiting variants now."""
-    return getattr(_state, "enabled", False)
+def active() -> int:
+    """The level launchers on this thread build variants for now (OFF outside `launches`)."""
+    return getattr(_state, "level", OFF)
 
 
-def compiled(kernel, wait: bool, launch_bounds=None):
-    """`jit_cache.cached_jit(kernel)`, registered as a waiting variant when `wait` (its python function is one
-    of `waiting_functions()`, its overloads' handles among `handles()`)."""
+def mode(prefetches: bool = False) -> int:
+    """The variant a launcher builds now: PLAIN outside the mode, WAIT at EVERY_KERNEL; at WEIGHTS_FIRST, PREFETCH
+    for a kernel that can issue its first weight loads before waiting (`prefetches`), TRIGGER for the others."""
+    level = active()
+    if level == EVERY_KERNEL:
+        return WAIT
+    if level == WEIGHTS_FIRST:
+        return PREFETCH if prefetches else TRIGGER
+    return PLAIN
+
+
+def waits(kind: int) -> bool:
+    """Whether variants of this mode wait for a programmatic predecessor (so edges into them may be programmatic
+    and their activation loads must be coherent)."""
+    return kind in (WAIT, PREFETCH)
+
+
+def compiled(kernel, kind: int, launch_bounds=None):
+    """`jit_cache.cached_jit(kernel)`, registered as a waiting variant when its mode waits (its python function
+    is one of `waiting_functions()`, its overloads' handles among `handles()`)."""
     dispatcher = cached_jit(kernel) if launch_bounds is None else cached_jit(kernel, launch_bounds=launch_bounds)
-    if wait:
+    if waits(kind):
         _WAITING.append(dispatcher)
         _WAITING_FUNCTIONS.add(kernel)
     return dispatcher
@@ -90,27 +116,32 @@ def dispatcher_handles(dispatcher) -> set[int]:
     return {int(kernel._codelibrary.get_cufunc().handle) for kernel in getattr(dispatcher, "overloads", {}).values()}
 
 
-@functools.cache
-def prologue(wait: bool):
-    """The device function a kernel calls first: for a waiting variant, let the dependents' blocks start and wait
-    for the predecessor (module docstring); otherwise nothing."""
-    if wait:
-
-        @cuda.jit(device=True, inline=True)
-        def wait_first():
-            griddep_launch_dependents()
-            griddep_wait()
-
-        return wait_first
-
-    @cuda.jit(device=True, inline=True)
-    def nothing():
-        pass
-
-    return nothing
+@cuda.jit(device=True, inline=True)
+def _nothing():
+    pass
 
 
-def activation_load(wait: bool):
+@cuda.jit(device=True, inline=True)
+def _trigger_then_wait():
+    griddep_launch_dependents()
+    griddep_wait()
+
+
+def prologue(kind: int):
+    """The device function a kernel of this mode calls first: WAIT lets the dependents' blocks start and waits for
+    the predecessor; TRIGGER and PREFETCH only let them start (PREFETCH waits later, `late_wait`); PLAIN nothing."""
+    return {WAIT: _trigger_then_wait, TRIGGER: griddep_launch_dependents, PREFETCH: griddep_launch_dependents}.get(
+        kind, _nothing
+    )
+
+
+def late_wait(kind: int):
+    """The wait a PREFETCH kernel calls after its first weight loads, before it reads anything an earlier kernel
+    wrote (every thread exactly once); nothing in the other modes."""
+    return griddep_wait if kind == PREFETCH else _nothing
+
+
+def activation_load(kind: int):
     """The 16-byte load of data an earlier kernel wrote: `ld_v4` (L1-cached `.nc`), or its coherent twin in a
     waiting variant."""
-    return ld_v4_coherent if wait else ld_v4
+    return ld_v4_coherent if waits(kind) else ld_v4

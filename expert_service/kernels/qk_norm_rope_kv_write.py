@@ -34,11 +34,11 @@ MAX_HEAD_DIM = 256
 
 
 @functools.cache
-def _build(pool_dtype, weight_dtype, per_lane: int, wait: bool = False):
-    """per_lane = Hd / 32 elements a lane (compile-time: the row stays in registers, the loops unroll); wait: the
-    variant that waits for a programmatic predecessor first (kernels/programmatic.py)."""
+def _build(pool_dtype, weight_dtype, per_lane: int, mode: int = 0):
+    """per_lane = Hd / 32 elements a lane (compile-time: the row stays in registers, the loops unroll); mode: the
+    programmatic-launch variant (kernels/programmatic.py)."""
     store, widen = storer(pool_dtype), widener(weight_dtype)
-    prologue = programmatic.prologue(wait)
+    prologue = programmatic.prologue(mode)
     pairs = per_lane // 2
 
     def qk_norm_rope_kv_write_kernel(q, k, v, q_weight, k_weight, eps, positions, inv_freq, scale, slot_mapping,
@@ -88,7 +88,7 @@ def _build(pool_dtype, weight_dtype, per_lane: int, wait: bool = False):
                 store(k_pool, at, r1)
                 store(k_pool, at + half, r2)
 
-    return qk_norm_rope_kv_write_kernel, programmatic.compiled(qk_norm_rope_kv_write_kernel, wait)
+    return qk_norm_rope_kv_write_kernel, programmatic.compiled(qk_norm_rope_kv_write_kernel, mode)
 
 
 def supports(head_dim: int) -> bool:
@@ -119,7 +119,7 @@ def launch_qk_norm_rope_kv_write(q, k, v, q_weight, k_weight, eps, positions, in
         assert a.flags["C_CONTIGUOUS"], "qk_norm_rope_kv_write needs contiguous arrays"
     if num_tokens == 0:
         return
-    kernel = _build(np.dtype(k_pool.dtype), np.dtype(q_weight.dtype), head_dim // WARP, programmatic.active())[1]
+    kernel = _build(np.dtype(k_pool.dtype), np.dtype(q_weight.dtype), head_dim // WARP, programmatic.mode())[1]
     grid = (num_tokens, -(-(num_q + 2 * k.shape[1]) // WARPS))
     kernel[grid, WARPS * WARP, stream](q, k, v, q_weight, k_weight, np.float32(eps), positions, inv_freq,
                                        np.float32(scale), slot_mapping, k_pool.reshape(-1), v_pool.reshape(-1))

@@ -38,11 +38,11 @@ WARP_KERNEL_MIN_ROWS = 0 if SIMULATOR else 1024
 
 
 @functools.cache
-def _build(weight_dtype, per_thread: int, wait: bool = False):
-    """The block-per-row kernels for rows of at most per_thread * blockDim.x elements (wait: the variants that
-    wait for a programmatic predecessor first, kernels/programmatic.py)."""
+def _build(weight_dtype, per_thread: int, mode: int = 0):
+    """The block-per-row kernels for rows of at most per_thread * blockDim.x elements (mode: the
+    programmatic-launch variant, kernels/programmatic.py)."""
     widen = widener(weight_dtype)
-    prologue = programmatic.prologue(wait)
+    prologue = programmatic.prologue(mode)
 
     def rmsnorm_kernel(x, weight, eps, out):
         """x: [R, N] float32. weight: [N] W. eps: float32. out: [R, N] float32 (may alias x).
@@ -91,8 +91,8 @@ def _build(weight_dtype, per_thread: int, wait: bool = False):
                 out[r, i] = (v[j] / denom) * w[j]
 
     return (
-        (rmsnorm_kernel, programmatic.compiled(rmsnorm_kernel, wait)),
-        (add_rmsnorm_kernel, programmatic.compiled(add_rmsnorm_kernel, wait)),
+        (rmsnorm_kernel, programmatic.compiled(rmsnorm_kernel, mode)),
+        (add_rmsnorm_kernel, programmatic.compiled(add_rmsnorm_kernel, mode)),
     )
 
 
@@ -102,12 +102,12 @@ def per_thread(n: int, threads: int) -> int:
 
 
 @functools.cache
-def _build_short(weight_dtype, per_lane: int, wait: bool = False):
+def _build_short(weight_dtype, per_lane: int, mode: int = 0):
     """The warp-per-row kernel for rows of (per_lane - 1) * WARP < N <= per_lane * WARP elements: per_lane is a
     compile-time constant so the row's loops unroll and it stays in registers."""
     widen = widener(weight_dtype)
     chunks = min(per_lane, CHUNKS)
-    prologue = programmatic.prologue(wait)
+    prologue = programmatic.prologue(mode)
 
     def rmsnorm_short_kernel(x, weight, eps, out):
         """x: [R, N] float32, N <= per_lane * WARP. weight: [N] W. eps: float32. out: [R, N] float32 (may alias
@@ -135,7 +135,7 @@ def _build_short(weight_dtype, per_lane: int, wait: bool = False):
                 if i < n:
                     out[r, i] = (v[m] / denom) * widen(weight[i])
 
-    return rmsnorm_short_kernel, programmatic.compiled(rmsnorm_short_kernel, wait)
+    return rmsnorm_short_kernel, programmatic.compiled(rmsnorm_short_kernel, mode)
 
 
 def _check(rows, weight, out, threads):
@@ -162,11 +162,11 @@ def launch_rmsnorm(x, weight, eps, out, stream=0, threads=None) -> None:
         return
     eps = np.float32(eps)
     if threads is None and n <= WARP_ROW_MAX and rows >= WARP_KERNEL_MIN_ROWS:
-        kernel = _build_short(np.dtype(weight.dtype), -(-n // WARP), programmatic.active())[1]
+        kernel = _build_short(np.dtype(weight.dtype), -(-n // WARP), programmatic.mode())[1]
         kernel[-(-rows // ROWS_PER_BLOCK), ROWS_PER_BLOCK * WARP, stream](x2, weight, eps, out2)
     else:
         threads = threads or min(THREADS, -(-n // WARP) * WARP)
-        kernel = _build(np.dtype(weight.dtype), per_thread(n, threads), programmatic.active())[0][1]
+        kernel = _build(np.dtype(weight.dtype), per_thread(n, threads), programmatic.mode())[0][1]
         kernel[rows, threads, stream](x2, weight, eps, out2)
 
 
@@ -177,21 +177,21 @@ def launch_add_rmsnorm(residual, delta, weight, eps, out, stream=0, threads=THRE
     assert delta.shape == residual.shape and delta.dtype == np.float32 and delta.flags["C_CONTIGUOUS"]
     if residual.shape[0] == 0:
         return
-    kernel = _build(np.dtype(weight.dtype), per_thread(residual.shape[1], threads), programmatic.active())[1][1]
+    kernel = _build(np.dtype(weight.dtype), per_thread(residual.shape[1], threads), programmatic.mode())[1][1]
     kernel[residual.shape[0], threads, stream](residual, delta, weight, np.float32(eps), out)
 
 
 def sm90_signatures():
     """(python function, numba signature) of each weight-dtype variant (block kernels: 1, 8 and 16 elements a
     thread, head norms and hidden sizes 2048 / 4096; short rows: 1, 4 and 32 elements a lane; a waiting variant
-    of each kind), for the sm_90 compile check."""
+    of each kind, a trigger-only one of the block kernels), for the sm_90 compile check."""
     f2 = types.float32[:, ::1]
     out = []
     for dt, nb in ((np.float32, types.float32), (np.float16, types.float16), (np.uint16, types.uint16)):
-        for per, wait in ((1, False), (8, False), (16, False), (16, True)):
-            (norm, _), (add_norm, _) = _build(np.dtype(dt), per, wait)
+        for per, mode in ((1, 0), (8, 0), (16, 0), (16, programmatic.WAIT), (16, programmatic.TRIGGER)):
+            (norm, _), (add_norm, _) = _build(np.dtype(dt), per, mode)
             out.append((norm, (f2, nb[::1], types.float32, f2)))
             out.append((add_norm, (f2, f2, nb[::1], types.float32, f2)))
-        for per_lane, wait in ((1, False), (4, False), (4, True), (WARP_ROW_MAX // WARP, False)):
-            out.append((_build_short(np.dtype(dt), per_lane, wait)[0], (f2, nb[::1], types.float32, f2)))
+        for per_lane, mode in ((1, 0), (4, 0), (4, programmatic.WAIT), (WARP_ROW_MAX // WARP, 0)):
+            out.append((_build_short(np.dtype(dt), per_lane, mode)[0], (f2, nb[::1], types.float32, f2)))
     return out

@@ -33,12 +33,12 @@ THREADS = 128   # as rope and kv_write: 4 warps; qwen3 (H 32, Hkv 4, Hd 128): 23
 
 
 @functools.cache
-def _build(pool_dtype, half: int, wait: bool = False):
+def _build(pool_dtype, half: int, mode: int = 0):
     """half = Hd / 2 is a compile-time constant: the pair index's division and remainder by it become shifts
-    (by a runtime value they were 64-bit division calls, most of the kernel's time). wait: the variant that
-    waits for a programmatic predecessor first (kernels/programmatic.py)."""
+    (by a runtime value they were 64-bit division calls, most of the kernel's time). mode: the
+    programmatic-launch variant (kernels/programmatic.py)."""
     store = storer(pool_dtype)
-    prologue = programmatic.prologue(wait)
+    prologue = programmatic.prologue(mode)
 
     def rope_kv_write_kernel(q, k, v, positions, inv_freq, scale, slot_mapping, k_pool, v_pool):
         """q: [T, H, Hd] float32, rotated in place. k: [T, Hkv, Hd] float32 (read only). v: [T, Hkv * Hd] float32.
@@ -74,7 +74,7 @@ def _build(pool_dtype, half: int, wait: bool = False):
             for e in range(first, row, stride):
                 store(v_pool, base + e, v[t, e])
 
-    return rope_kv_write_kernel, programmatic.compiled(rope_kv_write_kernel, wait)
+    return rope_kv_write_kernel, programmatic.compiled(rope_kv_write_kernel, mode)
 
 
 def launch_rope_kv_write(q, k, v, positions, inv_freq, scale, slot_mapping, k_pool, v_pool, stream=0,
@@ -98,7 +98,7 @@ def launch_rope_kv_write(q, k, v, positions, inv_freq, scale, slot_mapping, k_po
     if num_tokens == 0:
         return
     row = k.shape[1] * head_dim
-    kernel = _build(np.dtype(k_pool.dtype), head_dim // 2, programmatic.active())[1]
+    kernel = _build(np.dtype(k_pool.dtype), head_dim // 2, programmatic.mode())[1]
     grid = (num_tokens, blocks_per_row(num_tokens, (q.shape[1] + k.shape[1]) * head_dim // 2, threads))
     kernel[grid, threads, stream](q, k, v.reshape(num_tokens, row), positions, inv_freq, np.float32(scale),
                                   slot_mapping, k_pool.reshape(-1), v_pool.reshape(-1))

@@ -40,7 +40,7 @@ def test_failed_compile_is_listed_and_the_other_signatures_still_run(monkeypatch
 
     def compile_ptx(fn, sig, cc):
         assert cc == (9, 0)
-        if sig == broken[1]:
+        if fn is broken[0] and sig == broken[1]:  # a waiting variant may share its plain twin's signature
             raise TypeError("no such overload")
         return "ptx", None
 
@@ -65,3 +65,19 @@ def test_shards_split_the_signatures_between_them(monkeypatch):
 def test_bad_shard_is_refused_naming_it(text):
     with pytest.raises(argparse.ArgumentTypeError, match=f"--shard '{text}'"):
         kernel_resources.parse_shard(text)
+
+
+@pytest.mark.parametrize(
+    "ops, early, nc",
+    [
+        (["ULDC", "LDG.E.NA.128.CONSTANT", "ACQBULK", "LDG.E.128", "STG.E"], 0, 0),  # a weight stream ahead: fine
+        (["LDG.E.NA.128", "ACQBULK", "LDG.E.128"], 1, 0),  # coherent, skipping L1: not a weight stream
+        (["LDG.E.128", "ACQBULK"], 1, 0),  # an activation before the wait
+        (["ACQBULK", "LDG.E.128.CONSTANT"], 0, 1),  # an .nc activation load anywhere: ptxas may hoist it
+        (["LDGSTS.E.BYPASS.128", "ACQBULK"], 1, 0),  # cp.async before the wait
+        (["ST.E", "ATOMG.E.ADD", "ACQBULK"], 2, 0),
+    ],
+)
+def test_load_order_tells_weight_streams_from_other_accesses(ops, early, nc):
+    order = kernel_resources.load_order(ops)
+    assert (order["accesses_before_wait"], order["nc_activation_loads"], order["waits"]) == (early, nc, 1)

@@ -14,6 +14,9 @@ from bench.options_ab import main
         (["--variants", '{"a": {"decode_part_keys": 33}}'], "decode_part_keys"),
         (["--variants", '{"a": {}}', "--shapes", "nope-shape"], "--shapes nope-shape"),
         (["--variants", '{"a": {}}', "--expert-dtype", "int4"], "--expert-dtype int4"),
+        (["--variants", '{"a": {}}', "--batches", "1,x"], "comma-separated positive integers"),
+        (["--variants", '{"a": {}}', "--rounds", "0"], "a positive integer"),
+        (["--variants", '{"a": {"programmatic_launch": true}}'], "programmatic_launch: must be 0, 1 or 2"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(argv, message, capsys):

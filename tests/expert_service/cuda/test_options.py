@@ -16,7 +16,19 @@ def test_every_option_defaults_to_the_shipped_path():
     switches = [f.name for f in fields(CudaOptions) if f.type in (bool, "bool")]
     shipped = [name for name in switches if name not in EXPERIMENTAL]
     assert shipped and all(getattr(CudaOptions(), name) is True for name in shipped)
-    assert EXPERIMENTAL <= set(switches) and all(getattr(CudaOptions(), name) is False for name in EXPERIMENTAL)
+    # experimental switches are off; an experimental level (programmatic_launch) is 0
+    assert EXPERIMENTAL <= {f.name for f in fields(CudaOptions)}
+    assert all(getattr(CudaOptions(), name) in (False, 0) for name in EXPERIMENTAL)
+    assert all(name in switches or getattr(CudaOptions(), name) == 0 for name in EXPERIMENTAL)
+
+
+def test_the_programmatic_launch_level_is_checked():
+    config = resolve(EngineConfig, file_values={"cuda_options": {"programmatic_launch": 2}}, env={})
+    assert config.cuda_options.programmatic_launch == 2
+    for bad in (3, -1, True, "yes"):
+        with pytest.raises(ConfigError) as error:
+            resolve(EngineConfig, file_values={"cuda_options": {"programmatic_launch": bad}}, env={})
+        assert "cuda_options.programmatic_launch" in str(error.value) and "\n" not in str(error.value)
 
 
 def test_thresholds_come_from_a_config_file_and_are_checked():

@@ -4,6 +4,7 @@ equals the plain kernels' bit for bit, on every family, ragged batches and one s
 
 import numpy as np
 import pytest
+from numba import cuda
 
 from expert_service.cuda.driver import Graph
 from expert_service.engine.cuda_options import CudaOptions
@@ -17,9 +18,14 @@ from tests.expert_service.cuda.test_fusions import assert_bitwise, open_engine, 
 from tests.expert_service.tools.head_checkpoint import head_config, write_head_checkpoint
 from tests.helpers import random_prompt
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not cuda.is_available() or not programmatic.supported(), reason="programmatic launch needs sm_90"
+    ),
+]
 
-ON = CudaOptions(programmatic_launch=True)
+LEVELS = [programmatic.EVERY_KERNEL, programmatic.WEIGHTS_FIRST]
 model = test_fusions.model  # every family's tiny model, and a bf16 one with 40 experts (module-scoped fixture)
 
 
@@ -62,8 +68,6 @@ def captured_kernel_handles(launch, stream) -> list[tuple[int, int]]:
 def test_two_waiting_norms_in_a_graph_are_joined_by_a_programmatic_edge():
     """The smallest case: two rmsnorms in a row, captured; the second waits for the first through a programmatic
     edge and still reads its output (a norm of the norm, against numpy)."""
-    from numba import cuda
-
     from expert_service.kernels.rmsnorm import launch_rmsnorm
 
     rng = np.random.default_rng(3)
@@ -77,7 +81,7 @@ def test_two_waiting_norms_in_a_graph_are_joined_by_a_programmatic_edge():
         launch_rmsnorm(dx, dw, 1e-6, mid, stream=stream)
         launch_rmsnorm(mid, dw, 1e-6, out, stream=stream)
 
-    with programmatic.launches(True):
+    with programmatic.launches(programmatic.EVERY_KERNEL):
         launch()  # compiles outside the capture
         stream.synchronize()
         graph = Graph(stream)
@@ -95,18 +99,21 @@ def test_two_waiting_norms_in_a_graph_are_joined_by_a_programmatic_edge():
     graph.close()
 
 
-def test_waiting_variants_give_the_plain_bits_through_programmatic_edges(model):
+@pytest.mark.parametrize("level", LEVELS)
+def test_waiting_variants_give_the_plain_bits_through_programmatic_edges(model, level):
     name, path = model
     plain = open_engine(path)
     expected, expected_one = run_steps(plain), one_sequence(plain)
     assert programmatic_edges(plain) == 0, name
-    engine = open_engine(path, cuda_options=ON)
-    assert engine.decoder.programmatic_launches, name
+    engine = open_engine(path, cuda_options=CudaOptions(programmatic_launch=level))
+    assert engine.decoder.programmatic_launches == level, name
     assert_bitwise(run_steps(engine), expected, f"{name}: ragged decodes, programmatic vs plain")
     assert_bitwise(one_sequence(engine), expected_one, f"{name}: one sequence, programmatic vs plain")
     edges = programmatic_edges(engine)
     layers = engine.model_config.num_hidden_layers
-    assert edges >= 4 * layers, f"{name}: {edges} programmatic edges in the decode graphs"
+    # every kernel of a layer, or (weights first) at least its dense projections where they run on the GEMV
+    least = 4 * layers if level == programmatic.EVERY_KERNEL else 1
+    assert edges >= least, f"{name}: {edges} programmatic edges in the decode graphs"
     assert programmatic.waiting_functions(), name
 
 
@@ -125,9 +132,11 @@ def test_eight_bit_layers_and_options_switched_on_one_engine(tmp_path):
     )
     engine = open_engine(q8)
     expected = one_sequence(engine)
-    engine.decoder.set_options(ON)
-    assert_bitwise(one_sequence(engine), expected, "int8: programmatic vs plain")
-    assert programmatic_edges(engine) > 0
+    for level in LEVELS:
+        engine.decoder.set_options(CudaOptions(programmatic_launch=level))
+        assert_bitwise(one_sequence(engine), expected, f"int8: programmatic level {level} vs plain")
+        if level == programmatic.EVERY_KERNEL:  # weights first: the 8-bit GEMVs only let their dependents start
+            assert programmatic_edges(engine) > 0
     engine.decoder.set_options(CudaOptions())
     assert_bitwise(one_sequence(engine), expected, "int8: plain again")
     assert programmatic_edges(engine) == 0
@@ -135,7 +144,7 @@ def test_eight_bit_layers_and_options_switched_on_one_engine(tmp_path):
 
 def test_engines_with_an_expert_cache_run_the_plain_kernels(tmp_path):
     path = make_tiny(tmp_path / "m", family="mixtral", seed=2)
-    engine = open_engine(path, cuda_options=ON, expert_cache_slots=2)
+    engine = open_engine(path, cuda_options=CudaOptions(programmatic_launch=1), expert_cache_slots=2)
     assert not engine.decoder.programmatic_launches
     one_sequence(engine, decodes=3)
     assert programmatic_edges(engine) == 0
