@@ -72,12 +72,6 @@ from expert_service.kernels.attention_decode_mma import MMA_DECODE_MIN_SEQS
 log = logging.getLogger("colibri.worker.cuda")
 
 
-def programmatic_refusal(cached: bool) -> str:
-    """The one-line warning of an engine given programmatic_launch that runs the plain kernels instead."""
-    why = "its expert cache writes weights mid-step" if cached else "its device is older than sm_90"
-    return f"cuda_options.programmatic_launch: off on this engine, {why}"
-
-
 @dataclass(frozen=True, slots=True)
 class LaunchedForward:
     """A step issued on the stream: its results are on their way to host copy `twin` of the readbacks."""
@@ -170,10 +164,8 @@ class CudaDecoder:
             if cached
             else None
         )  # None: every expert resident, no cache logic runs
-        # this engine's device (current while it is built) and no expert cache, whose copies write weights mid-step
-        self._programmatic_usable = self.cached is None and programmatic.supported()
         if config.cuda_options.programmatic_launch and not self._programmatic_usable:
-            log.warning(programmatic_refusal(self.cached is not None))
+            log.warning(programmatic.refusal(self.cached is not None))
         self.model = CudaModel(
             cfg,
             self.weights,
@@ -520,6 +512,12 @@ class CudaDecoder:
             if R:
                 self.model.head(T, R)
 
+    @functools.cached_property
+    def _programmatic_usable(self) -> bool:
+        """This engine's device (current when first asked: while it is built) is sm_90 or later, and it has no
+        expert cache, whose copies write weights mid-step."""
+        return self.cached is None and programmatic.supported()
+
     @property
     def programmatic_launches(self) -> int:
         """The programmatic-launch level decode steps are issued at (programmatic_launch; 0: off): on an sm_90 or
@@ -574,7 +572,7 @@ class CudaDecoder:
                     f"could not give ({type(e).__name__}); give the options to the engine's config instead"
                 ) from e
         if options.programmatic_launch and not self._programmatic_usable:
-            log.warning(programmatic_refusal(self.cached is not None))
+            log.warning(programmatic.refusal(self.cached is not None))
         self.drop_graphs()
         self.model.use_options(options)
 

@@ -68,6 +68,12 @@ def supported() -> bool:
     return SIMULATOR or cuda.get_current_device().compute_capability >= (9, 0)
 
 
+def refusal(cached: bool) -> str:
+    """The one-line warning of an engine given programmatic_launch that runs the plain kernels instead."""
+    why = "its expert cache writes weights mid-step" if cached else "its device is older than sm_90"
+    return f"cuda_options.programmatic_launch: off on this engine, {why}"
+
+
 def active() -> int:
     """The level launchers on this thread build variants for now (OFF outside `launches`)."""
     return getattr(_state, "level", OFF)
