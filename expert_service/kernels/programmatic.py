@@ -5,24 +5,26 @@ while the device drains the previous one. A graph edge of type PROGRAMMATIC lets
 resident once every block of its predecessor has executed `griddepcontrol.launch_dependents`; they then wait in
 `griddepcontrol.wait`, which returns when the predecessor has completed and its writes are visible.
 
-A *waiting* variant of a kernel executes both at its very top, before it touches memory, so it computes exactly
-what the plain kernel computes whatever edge reaches it: the same arithmetic in the same order, only its start
-moves. Two things make that hold:
-- every block executes the wait (it is the kernel's first statement), so a waiting kernel never completes before
-  its predecessor, and a kernel after it, on any edge, finds everything before it done;
+A kernel factory of the chain takes a compile-time `mode`: PLAIN; WAIT, which executes both instructions as its
+first statements; TRIGGER, only `launch_dependents` (it never waits, so no programmatic edge may reach it);
+PREFETCH (the dense GEMV), which triggers, issues its first weight loads, then waits. The arithmetic and its order
+never change, so every variant computes the plain kernel's bits, whatever edge reaches it. What makes the order hold:
+- every block of a waiting variant (WAIT, PREFETCH) waits before it reads anything an earlier kernel wrote, so it
+  never completes before its predecessor, and a kernel after it, on any edge, finds everything before it done;
+  letting dependents start early is safe in any kernel, since only a waiting kernel can start early;
 - loads of data an earlier kernel writes must not go through the non-coherent path: ptxas may hoist an `.nc` load
-  above the wait (the memory model does not cover them), so the variants load activations with
-  `ptx.ld_*_coherent`. Weight streams keep `.nc`: they read what no kernel writes while the engine runs, so such a
-  load hoisted above the wait reads the same bytes early (an expert cache's slots are written during the step,
-  which is why only engines without one use the variants). The sm_90 compile check
-  (`tests/expert_service/kernels/test_compile_sm90.py`) reads the SASS of the waiting variants the kernel modules
-  list: no global access but a weight stream before the wait, and no `.nc` load but weight streams anywhere.
+  above the wait (the memory model does not cover them), so waiting variants load activations with
+  `ptx.ld_*_coherent`. Weight streams keep `.nc`: they read what no kernel writes while the engine runs, so one
+  ahead of the wait reads the same bytes early (an expert cache's slots are written during the step, which is why
+  only engines without one use the variants). The sm_90 compile check (`tests/expert_service/kernels/
+  test_compile_sm90.py`) reads the SASS of the waiting variants the kernel modules list: no global access but a
+  weight stream before the wait, and no `.nc` load but weight streams anywhere.
 
-How the variants are used: the decoder issues a step inside `launches(True)`; launchers that have a variant ask
-`active()` and build the waiting one (a compile-time flag of their kernel factory, `prologue(True)` at its top),
-and register it (`compiled(kernel, wait)`). When a capture ends, `cuda.driver.Graph` turns every kernel -> kernel
-edge into a registered kernel into a programmatic one. Outside a capture, or on a plain edge, both instructions
-return at once.
+How the variants are used: the decoder issues a decode step inside `launches(level)` (CudaOptions.
+programmatic_launch: EVERY_KERNEL, every kernel WAIT; WEIGHTS_FIRST, the dense GEMVs PREFETCH and the rest
+TRIGGER); each launcher asks `mode()` for its variant and its factory registers the waiting ones (`compiled`).
+When a capture ends, `cuda.driver.Graph` turns every kernel -> kernel edge into a registered kernel into a
+programmatic one. Outside a capture, or on a plain edge, both instructions return at once.
 """
 
 from __future__ import annotations
