@@ -96,9 +96,8 @@ GLOBAL_ACCESS = re.compile(r"^(LDG|LD|LDGSTS|STG|ST|ATOMG|ATOM|RED)(\.|$)")
 
 def wait_order(cubin: bytes, nvdisasm: str) -> dict:
     """Where a kernel's global memory accesses sit around `griddepcontrol.wait` (ACQBULK) in its SASS (static
-    order): the number of waits, and of accesses before the first one that are not weight streams (`.NA`: loads
-    with L1::no_allocate, which read what no kernel writes). A kernel that waits for a programmatic predecessor
-    must have none of the latter (kernels/programmatic.py)."""
+    order), as `load_order` counts them. A kernel that waits for a programmatic predecessor must have no access but
+    weight streams before its wait and no other `.nc` load anywhere (kernels/programmatic.py)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

@@ -48,7 +48,6 @@ MODE_STORE, MODE_ACCUMULATE, MODE_SWIGLU = 0, 1, 2
 _DTYPES = (np.uint16, np.float16, np.float32)   # uint16 = bfloat16 bits
 _MAX_ROWS = 4             # weight rows per warp (dense ROWS <= 4, gated 2 * ROWS <= 4)
 _RED_SHAPE = (MAX_SPLIT * BLOCK_WARPS, _MAX_ROWS)   # per-warp partial sums (up to 64 warps)
-MODES = (programmatic.PLAIN, programmatic.WAIT, programmatic.TRIGGER, programmatic.PREFETCH)  # the sm_90 check's
 
 
 class LaunchShape(NamedTuple):
@@ -406,7 +405,7 @@ def sm90_signatures():
             w = types.uint32[::1] if wide else nb[::1]
             for gated, choices in ((False, (4, 2, 1)), (True, (2, 1))):
                 for rows in choices:
-                    for mode in MODES if wide and dt is np.uint16 else (programmatic.PLAIN,):
+                    for mode in programmatic.MODES if wide and dt is np.uint16 else (programmatic.PLAIN,):
                         out.append((_build(dt, wide, rows, gated, mode)[0],
                                     (f1, i64, types.int32[::1], i64, w, w, i64, i64, i64, i64, i64, i64, i64,
                                      nb[::1], i64, i64, types.float32[:, ::1])))

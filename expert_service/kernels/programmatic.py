@@ -46,16 +46,17 @@ _WAITING_FUNCTIONS: set = set()
 # TRIGGER: trigger only (it never waits, so no programmatic edge may reach it); PREFETCH: trigger, issue the
 # first weight loads, then wait (a GEMV's weights are what no kernel writes).
 PLAIN, WAIT, TRIGGER, PREFETCH = 0, 1, 2, 3
+MODES = (PLAIN, WAIT, TRIGGER, PREFETCH)
 # The levels a decode step is issued at (CudaOptions.programmatic_launch): OFF; EVERY_KERNEL: every kernel of the
 # chain WAIT; WEIGHTS_FIRST: the GEMVs PREFETCH, every other kernel TRIGGER, so only edges into GEMVs are
 # programmatic and those kernels' weights stream while their predecessor drains.
 OFF, EVERY_KERNEL, WEIGHTS_FIRST = 0, 1, 2
-LEVELS = (OFF, EVERY_KERNEL, WEIGHTS_FIRST)
 
 
 @contextlib.contextmanager
 def launches(level: int):
-    """Launchers called on this thread inside the block build the variants of `level` (LEVELS)."""
+    """Launchers called on this thread inside the block build the variants of `level` (OFF, EVERY_KERNEL or
+    WEIGHTS_FIRST)."""
     previous = active()
     _state.level = level
     try:

@@ -2,8 +2,8 @@
 decode step of S sequences takes decode_splits(S) parts instead of the largest batch's, and each sequence uses as
 many as its context needs; with decode_part_keys 32 too, parts of one key tile (a 70-token context: 3 parts, not 2;
 one sequence over 100: 4, not 2), the value reaching every decode-attention launch. Long prompts (so every allowed
-part is used) decoded for a few steps, one sequence and three, on an fp32 model (attention_decode) and a bf16 one (attention_decode_tiled at one sequence, the tensor-core
-kernel at three): against the option off, the same greedy tokens and logits within float32 rounding (fp32; only the
+part is used) decoded for a few steps, one sequence and three, on an fp32 model (attention_decode) and a bf16 one
+(attention_decode_tiled at one sequence, the tensor-core kernel at three): against the option off, the same greedy tokens and logits within float32 rounding (fp32; only the
 order of the softmax sums differs) or the first decode's logits within bf16 tolerance (bf16: later tokens may part
 at a near tie); graph replay equal to eager passes bit for bit."""
 
