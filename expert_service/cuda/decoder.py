@@ -164,8 +164,7 @@ class CudaDecoder:
             if cached
             else None
         )  # None: every expert resident, no cache logic runs
-        if config.cuda_options.programmatic_launch and not self._programmatic_usable:
-            log.warning(programmatic.refusal(self.cached is not None))
+        self._warn_if_programmatic_unusable(config.cuda_options)
         self.model = CudaModel(
             cfg,
             self.weights,
@@ -518,6 +517,10 @@ class CudaDecoder:
         expert cache, whose copies write weights mid-step."""
         return self.cached is None and programmatic.supported()
 
+    def _warn_if_programmatic_unusable(self, options: CudaOptions) -> None:
+        if options.programmatic_launch and not self._programmatic_usable:
+            log.warning(programmatic.refusal(self.cached is not None))
+
     @property
     def programmatic_launches(self) -> int:
         """The programmatic-launch level decode steps are issued at (programmatic_launch; 0: off): on an sm_90 or
@@ -571,8 +574,7 @@ class CudaDecoder:
                     f"cuda_options: per-expert cuBLAS on 8-bit experts needs a one-expert dense scratch the device "
                     f"could not give ({type(e).__name__}); give the options to the engine's config instead"
                 ) from e
-        if options.programmatic_launch and not self._programmatic_usable:
-            log.warning(programmatic.refusal(self.cached is not None))
+        self._warn_if_programmatic_unusable(options)
         self.drop_graphs()
         self.model.use_options(options)
 

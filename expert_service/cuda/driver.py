@@ -135,13 +135,18 @@ def programmatic_edges(graph, waiting: set[int]) -> int:
         return 0
     sources, targets = check(get(graph, count))[:2]
     kernel = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+    recorded: dict[int, set[int] | None] = {}  # a node on several edges is read once
 
     def runs(node) -> set[int] | None:
         """The handles a kernel node records (its function, its library kernel), None for other nodes."""
-        if check(drv.cuGraphNodeGetType(node)) != kernel:
-            return None
-        params = check(drv.cuGraphKernelNodeGetParams(node))
-        return {int(params.func), int(getattr(params, "kern", 0))} - {0}
+        key = int(node)
+        if key not in recorded:
+            if check(drv.cuGraphNodeGetType(node)) != kernel:
+                recorded[key] = None
+            else:
+                params = check(drv.cuGraphKernelNodeGetParams(node))
+                recorded[key] = {int(params.func), int(getattr(params, "kern", 0))} - {0}
+        return recorded[key]
 
     changed = 0
     for a, b in zip(sources, targets):
