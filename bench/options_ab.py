@@ -112,6 +112,7 @@ def main(argv=None) -> int:
     batches = args.batches
     import torch
 
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(), "variants": variants, "rounds": args.rounds, "runs": {}}
     base = next(iter(variants))
     for shape in shapes:
@@ -127,8 +128,7 @@ def main(argv=None) -> int:
                 row = "  ".join(f"b={b} {median[name][b]:.4f} ms ({speedup[name][b]:.3f}x)" for b in median[name])
                 print(f"{shape} {dtype:16s} {name:12s} {row}", flush=True)
             print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+            Path(args.out).write_text(json.dumps(results, indent=1))  # each finished run kept if a later one is cut off
     return 0
 
 
