@@ -78,7 +78,7 @@ def eight_bit_layer(qkv8, o8, code: int, D: int, Q: int, KV: int, stream):
 
     metas = projection_metas(code, qkv8.size - 4 * (Q + 2 * KV), o8.size - 4 * D, D, Q, KV)
     upload = functools.partial(cuda.to_device, stream=stream)
-    return layer_projections(upload(qkv8), upload(o8), upload(metas), code, D, Q, KV)
+    return layer_projections(upload(qkv8), upload(o8), upload(metas), metas, code, D, Q, KV)
 
 
 def variants(eight, R: int, widest: int, q8_shapes: dict, stream) -> dict:

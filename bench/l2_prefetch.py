@@ -84,13 +84,13 @@ def dense_case(name, rng, stream, code):
         def launch(j, s):
             launch_gemv(x, mats[j % copies], out, stream=s)
     else:
-        meta = cuda.to_device(matrix_meta(code, at), stream=stream)
+        host_meta = matrix_meta(code, at)
+        meta, layout = cuda.to_device(host_meta, stream=stream), tuple(int(v) for v in host_meta[0])
         blocks = [dev[c * nbytes : (c + 1) * nbytes] for c in range(copies)]
         bounds = cuda.to_device(row_bounds(1), stream=stream)
-        first = cuda.to_device(np.zeros((1, 1), np.int32), stream=stream)
 
         def launch(j, s):
-            launch_linear_q8(x, blocks[j % copies], meta, code, N, out, bounds, first, stream=s)
+            launch_linear_q8(x, blocks[j % copies], meta, code, N, out, bounds, stream=s, layout=layout)
 
     def prefetch(j, s):
         l2_prefetch.launch_prefetch(dev, tables[j % copies], stream=s)

@@ -51,13 +51,15 @@ class Matrix8Bit:
     """One 8-bit matrix [n_out, n_in] on the device: `block` the uint8 range holding it (codes from the meta row's
     matrix offset, per-row float32 scales from its scale offset: linear_q8.matrix_meta), `meta` that row on the
     device, `code` its expert_quant dtype code. Several matrices may share a block (q, k and v of one stacked
-    q|k|v block, each with its own offsets)."""
+    q|k|v block, each with its own offsets). host_meta: the same row on the host, so one-row launches take its
+    offsets as arguments instead of reading them first (empty: the kernel reads meta)."""
 
     block: DeviceNDArray
     meta: DeviceNDArray
     code: int
     n_out: int
     n_in: int
+    host_meta: tuple[int, ...] = ()
 
     @property
     def takes_mma(self) -> bool:
@@ -121,10 +123,10 @@ class EightBitRows:
     ):
         self.max_rows, self.mma, self.stream = max_rows, mma and max_rows >= MMA_MIN_ROWS, stream
         self.stream_shape, self.linear = stream_shape, linear
+        self.layout_at_launch = True  # CudaOptions.q8_layout_at_launch (use_layout_at_launch)
         self.rows = self.dense_min_rows = 0
         self.partials: DeviceNDArray | None = None  # split-K partial sums (none: no split)
         self.bounds = cuda.to_device(row_bounds(max_rows), stream=stream)
-        self.first_row = cuda.to_device(np.zeros((1, 1), np.int32), stream=stream)
         self.widened: DeviceNDArray | None = None  # the dense scratch
         if linear is not None and np.dtype(linear.weights_dtype) != np.dtype(dense_dtype):
             raise ValueError(f"dense_dtype {np.dtype(dense_dtype)}: cuBLAS here takes {np.dtype(linear.weights_dtype)}")
@@ -151,7 +153,7 @@ class EightBitRows:
     ) -> int:
         """The device bytes __init__ allocates, from the sizes alone (the device-memory plan counts them);
         widen_bytes: the dense scratch's (widen_elements x the dense dtype's size)."""
-        nbytes = (max_rows + 1) * 2 * 4 + 4 + widen_bytes  # bounds, first_row, the scratch
+        nbytes = (max_rows + 1) * 2 * 4 + widen_bytes  # bounds, the scratch
         if mma and max_rows >= MMA_MIN_ROWS:
             width = mma_width(max_rows)
             nbytes += width * 4 + 4 + -(-width // 16) * 4 + width * widest_input * 2
@@ -246,7 +248,8 @@ class EightBitRows:
             self.linear.linear(rows.x, dense, out, accumulate=accumulate, force_cublas=True, xc=rows.xc)
             return
         if rows.xs is None:
-            args = (matrix.code, matrix.n_out, out, self.bounds, self.first_row, st, accumulate, self.stream_shape)
+            layout = matrix.host_meta if matrix.host_meta and self.layout_at_launch else None
+            args = (matrix.code, matrix.n_out, out, self.bounds, st, accumulate, self.stream_shape, layout)
             launch_linear_q8(rows.x, matrix.block, matrix.meta, *args)
             return
         bm = self.config.block_m

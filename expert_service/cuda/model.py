@@ -79,6 +79,12 @@ class CudaModel:
         self.warm: L2Warmer | None = None  # built when CudaOptions.l2_prefetch is first on: off, nothing is uploaded
         self._warm_built = False
         self._build_warmer(options)
+        self._use_8bit_rows_options(options)
+
+    def _use_8bit_rows_options(self, options: CudaOptions) -> None:
+        for rows in (self.head_8bit[1] if self.head_8bit else None, self.attention_8bit and self.attention_8bit.rows):
+            if rows is not None:
+                rows.layout_at_launch = options.q8_layout_at_launch
 
     def _build_warmer(self, options: CudaOptions) -> None:
         if options.l2_prefetch and not self._warm_built:
@@ -90,6 +96,7 @@ class CudaModel:
         self.options = self.moe.options = options
         if self.attention_8bit is not None:
             self.attention_8bit.use_options(options)
+        self._use_8bit_rows_options(options)
 
     def layers(self, T: int, S: int, decode: bool, shared: bool = False) -> None:
         """Embedding and every decoder layer on the staged step: ws.hidden[:T] holds the final residual. shared: a

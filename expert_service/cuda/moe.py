@@ -170,7 +170,8 @@ class DeviceMoe:
             large, gemv = strategy is MoeStrategy.CACHED_CUBLAS, strategy is MoeStrategy.CACHED_GEMV
             options, a8 = self.options, self.int8_activations(i)
             self.cached.run(
-                i, x, h, T, ids, weights, large, combine, gemv, options.pipelined_waves, options.cached_mma, a8
+                i, x, h, T, ids, weights, large, combine, gemv, options.pipelined_waves, options.cached_mma, a8,
+                self.layout(i),
             )
         if cfg.shared_expert_intermediate_size:
             self._shared_expert(i, x, h, T)
@@ -240,6 +241,11 @@ class DeviceMoe:
         kinds = self.weights.expert_kinds.get(i)
         return self.options.q8_decode_activations and kinds == ((CODE_INT8, SCALE_CHANNEL),)
 
+    def layout(self, i: int) -> tuple[int, ...] | None:
+        """The meta row every expert of layer i shares, for moe_q8 launches to take as arguments
+        (CudaOptions.q8_layout_at_launch), or None: the kernels read each expert's row."""
+        return self.weights.expert_layout.get(i) if self.options.q8_layout_at_launch else None
+
     def _q8(self, i: int, x, h, T: int, ids, weights, experts, combine) -> None:
         """8-bit / mixed layers up to GROUPED_MAX_TOKENS: moe_q8 by slot (one token: out row k is slot k) or
         grouped (rows in grouped order, combined through position); a layer wholly int8 per channel runs the same
@@ -247,7 +253,7 @@ class DeviceMoe:
         cfg, ws, st = self.config, self.ws, self.stream
         F, D, K = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts_per_tok
         n = T * K
-        meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]
+        meta, kinds, layout = self.weights.expert_meta[i], self.weights.expert_kinds[i], self.layout(i)
         gate, out = ws.moe_gate[:n], ws.moe_out[:n]
         int8_activations = self.int8_activations(i)
         part_max = ws.moe_gate_part_max[:n] if int8_activations else None
@@ -256,8 +262,8 @@ class DeviceMoe:
                 launch_dp4a_gate_up(x, ids, experts, meta, F, D, gate, part_max, stream=st)
                 launch_dp4a_down(gate, part_max, ids, experts, meta, F, D, out, stream=st)
             else:
-                launch_q8_gate_up(x, experts, meta, F, D, gate, ids=ids, stream=st, kinds=kinds)
-                launch_q8_down(gate, experts, meta, F, D, out, ids=ids, stream=st, kinds=kinds)
+                launch_q8_gate_up(x, experts, meta, F, D, gate, ids=ids, stream=st, kinds=kinds, layout=layout)
+                launch_q8_down(gate, experts, meta, F, D, out, ids=ids, stream=st, kinds=kinds, layout=layout)
             combine(out, ws.identity_position[:n], weights, h)
             return
         order, position, offsets = ws.order[:n], ws.position[:n], ws.offsets
@@ -268,8 +274,9 @@ class DeviceMoe:
             launch_dp4a_grouped_gate_up(xq, x_scale, order, offsets, K, experts, meta, F, D, gate, part_max, stream=st)
             launch_dp4a_grouped_down(gate, part_max, offsets, experts, meta, F, D, out, stream=st)
         else:
-            launch_q8_gate_up(x, experts, meta, F, D, gate, order=order, offsets=offsets, stream=st, kinds=kinds)
-            launch_q8_down(gate, experts, meta, F, D, out, offsets=offsets, stream=st, kinds=kinds)
+            grouped = dict(offsets=offsets, stream=st, kinds=kinds, layout=layout)
+            launch_q8_gate_up(x, experts, meta, F, D, gate, order=order, **grouped)
+            launch_q8_down(gate, experts, meta, F, D, out, **grouped)
         combine(out, position, weights, h)
 
     def _gemv(self, x, h, T: int, ids, weights, experts, combine) -> None:

@@ -281,13 +281,15 @@ class CachedExperts:
         pipelined: bool = False,
         mma: bool = False,
         int8_activations: bool = False,
+        layout: tuple[int, ...] | None = None,
     ) -> None:
         """x [T, D] normed input, h [T, D] residual (updated), ids/weights [T, K]: layer i's top-k on the device;
         large: per-expert cuBLAS GEMMs at a host break; gemv: CACHED_GEMV (one token whose K experts fit the
         slots: one wave, `_gemv`); else the grouped kernels in waves, pipelined (CudaOptions.pipelined_waves,
         two slots a layer at least) or in turn, each wave on moe_ffn or, mma (CudaOptions.cached_mma, bf16 layers),
         on the tensor-core grouped kernel; combine: DeviceMoe's (None: launch_moe_combine); int8_activations:
-        CACHED_GEMV on a layer wholly int8 per channel runs moe_q8_dp4a (DeviceMoe.int8_activations)."""
+        CACHED_GEMV on a layer wholly int8 per channel runs moe_q8_dp4a (DeviceMoe.int8_activations); layout: the
+        meta row every expert of an 8-bit layer shares, for the moe_q8 launches (DeviceMoe.layout)."""
         cfg, ws, st = self.config, self.ws, self.stream
         K = cfg.num_experts_per_tok
         n = T * K
@@ -318,17 +320,17 @@ class CachedExperts:
         elif gemv:
             assert waves == 1, "CACHED_GEMV needs the step's experts in one wave"  # choose_strategy: T*K <= slots
             self._first_wave(i, T, ahead, lookahead)
-            self._gemv(i, x, ids, buffer, out, int8_activations)
+            self._gemv(i, x, ids, buffer, out, int8_activations, layout)
             position = ws.identity_position[:n]  # out rows in the token's top-k order
         elif pipelined:
-            self._pipelined_waves(i, T, x, buffer, waves, ahead, lookahead, tiling)
+            self._pipelined_waves(i, T, x, buffer, waves, ahead, lookahead, tiling, layout)
         else:
             for w in range(waves):
                 if w == 0:
                     self._first_wave(i, T, ahead, lookahead)
                 else:
                     self.slots.fetch(i, w, st)
-                self._wave(i, w, T, x, buffer, tiling)
+                self._wave(i, w, T, x, buffer, tiling, layout)
         if combine is None:
             launch_moe_combine(out, position, weights, h, stream=st)
         else:
@@ -367,7 +369,9 @@ class CachedExperts:
             h, tile_slot, num_tiles, sorted_ids, buffer, F, D, out, combine=COMBINE_STORE, config=config, stream=st
         )
 
-    def _wave(self, i: int, w: int, T: int, x, buffer, tiling: tuple[Config, int] | None = None) -> None:
+    def _wave(
+        self, i: int, w: int, T: int, x, buffer, tiling: tuple[Config, int] | None = None, layout=None
+    ) -> None:
         """The grouped kernels of wave w on the compute stream: the wave's experts read through its slot map into
         moe_out (rows of experts outside the wave untouched); tiling (from `_align`): on the tensor-core kernel
         (`_mma_wave`)."""
@@ -380,7 +384,7 @@ class CachedExperts:
             return
         if self.quantized:
             meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]
-            q8 = dict(offsets=ws.offsets, stream=st, slot_of=slot_of, kinds=kinds)
+            q8 = dict(offsets=ws.offsets, stream=st, slot_of=slot_of, kinds=kinds, layout=layout)
             launch_q8_gate_up(x, buffer, meta, F, D, gate, order=order, **q8)
             launch_q8_down(gate, buffer, meta, F, D, out, **q8)
             return
@@ -397,6 +401,7 @@ class CachedExperts:
         ahead: int | None,
         lookahead: bool,
         tiling: tuple[Config, int] | None = None,
+        layout: tuple[int, ...] | None = None,
     ) -> None:
         """The waves with their copies on the copy stream, one wave ahead: wave w + 1's copies (into slots no wave
         from w on reads: the plan's pipelined rule) run while wave w computes, once wave w - 1's kernels, the last
@@ -414,7 +419,7 @@ class CachedExperts:
                 self.slots.fetch(i, w + 1, self.copy)
                 self._fetched[w + 1].record(copy)
             check(drv.cuStreamWaitEvent(main, self._fetched[w].handle, 0))
-            self._wave(i, w, T, x, buffer, tiling)
+            self._wave(i, w, T, x, buffer, tiling, layout)
             self._computed[w].record(main)
 
     def _first_wave(self, i: int, T: int, ahead: int | None, lookahead: bool) -> None:
@@ -434,7 +439,7 @@ class CachedExperts:
         """The lookahead's top-k ids [T, K] predicted for MoE layer `layer` (its buffer alternates by MoE index)."""
         return self.ahead_ids[self.slots.index[layer] % 2, :T]
 
-    def _gemv(self, i: int, x, ids, buffer, out, int8_activations: bool = False) -> None:
+    def _gemv(self, i: int, x, ids, buffer, out, int8_activations: bool = False, layout=None) -> None:
         """CACHED_GEMV, after wave 0's copies: the resident one-token kernels on the slot buffer [S, stride], each
         expert read from the slot wave 0's map gives it. The map, not slot_of: it is this step's plan output, the
         same contract the grouped kernels read (equal to slot_of here, the whole union being in wave 0). Dense:
@@ -451,7 +456,7 @@ class CachedExperts:
             return
         if self.quantized:
             meta, kinds = self.weights.expert_meta[i], self.weights.expert_kinds[i]
-            q8 = dict(ids=ids, stream=st, slot_of=wave0, kinds=kinds)
+            q8 = dict(ids=ids, stream=st, slot_of=wave0, kinds=kinds, layout=layout)
             launch_q8_gate_up(x, buffer, meta, F, D, gate, **q8)
             launch_q8_down(gate, buffer, meta, F, D, out, **q8)
             return

@@ -201,15 +201,17 @@ def attention_metas(fmt: AttentionFormat, config: ModelConfig) -> np.ndarray:
     return np.stack([projection_metas(code, b.qkv_scale_offset, b.o_scale_offset, D, nq, nkv) for b in fmt.layers])
 
 
-def layer_projections(qkv, o, meta, code: int, D: int, nq: int, nkv: int) -> Projections8Bit:
-    """Projections8Bit of one layer: qkv and o its two blocks on the device, meta its projection_metas rows there."""
+def layer_projections(qkv, o, meta, host_meta: np.ndarray, code: int, D: int, nq: int, nkv: int) -> Projections8Bit:
+    """Projections8Bit of one layer: qkv and o its two blocks on the device, meta its projection_metas rows there
+    and host_meta the same rows on the host."""
     rows = [meta[j : j + 1] for j in range(4)]
+    host = [tuple(int(v) for v in host_meta[j]) for j in range(4)]
     return Projections8Bit(
-        qkv=Matrix8Bit(qkv, rows[0], code, nq + 2 * nkv, D),
-        q=Matrix8Bit(qkv, rows[0], code, nq, D),
-        k=Matrix8Bit(qkv, rows[1], code, nkv, D),
-        v=Matrix8Bit(qkv, rows[2], code, nkv, D),
-        o=Matrix8Bit(o, rows[3], code, D, nq),
+        qkv=Matrix8Bit(qkv, rows[0], code, nq + 2 * nkv, D, host[0]),
+        q=Matrix8Bit(qkv, rows[0], code, nq, D, host[0]),
+        k=Matrix8Bit(qkv, rows[1], code, nkv, D, host[1]),
+        v=Matrix8Bit(qkv, rows[2], code, nkv, D, host[2]),
+        o=Matrix8Bit(o, rows[3], code, D, nq, host[3]),
     )
 
 
@@ -255,9 +257,11 @@ class DeviceWeights:
         self.head_8bit: Matrix8Bit | None = None
         if (head := model.head_format) is not None:  # its codes and scales: one range of the dense buffer
             code = expert_quant.CODES[head.dtype]
-            meta = cuda.to_device(matrix_meta(code, head.scale_offset), stream=stream)
+            host_meta = matrix_meta(code, head.scale_offset)
+            meta = cuda.to_device(host_meta, stream=stream)
             block = self.dense_buffer[head.offset : head.offset + head.nbytes]
-            self.head_8bit = Matrix8Bit(block, meta, code, self.config.vocab_size, self.config.hidden_size)
+            V, D = self.config.vocab_size, self.config.hidden_size
+            self.head_8bit = Matrix8Bit(block, meta, code, V, D, tuple(int(v) for v in host_meta[0]))
         self.attention_8bit = self._attention_8bit(model.attention_format, stream)
         for i in range(self.config.num_hidden_layers):  # one matrix where the format stored them back to back
             for fused, parts in (
@@ -272,6 +276,9 @@ class DeviceWeights:
         self.expert_pinned: dict[int, bool] = {}
         self.expert_meta: dict[int, DeviceNDArray] = {}
         self.expert_meta_host: dict[int, np.ndarray] = {}  # the same rows on the host (read at load, never per step)
+        # the row every expert of a layer shares (one encoding, one block layout), None where they differ: the
+        # 8-bit launches then take its offsets as arguments
+        self.expert_layout: dict[int, tuple[int, ...] | None] = {}
         self.expert_kinds = facts.kinds  # each layer's (dtype code, scale scheme) pairs: moe_q8 compiles each
         self.expert_strides: dict[int, int] = {}  # bytes from one expert's block to the next, per MoE layer
         self.quantized, self.all_8bit, self.w8a8_layers = facts.quantized, facts.all_8bit, facts.w8a8_layers
@@ -285,6 +292,7 @@ class DeviceWeights:
             if self.quantized:
                 self.expert_meta[layer] = cuda.to_device(facts.meta[layer], stream=stream)
                 self.expert_meta_host[layer] = facts.meta[layer]
+                self.expert_layout[layer] = expert_quant.shared_layout(facts.meta[layer])
             if load_experts:
                 buffer = cuda.device_array(host.nbytes, dtype=np.uint8, stream=stream)
                 self.uploader.copy(host, buffer, self.expert_pinned[layer])
@@ -298,13 +306,15 @@ class DeviceWeights:
         if fmt is None:
             return None
         cfg, code = self.config, expert_quant.CODES[fmt.dtype]
-        self.attention_meta = cuda.to_device(attention_metas(fmt, cfg), stream=stream)
+        host_meta = attention_metas(fmt, cfg)
+        self.attention_meta = cuda.to_device(host_meta, stream=stream)
         buffer = self.dense_buffer
         return tuple(
             layer_projections(
                 buffer[b.qkv_offset : b.qkv_offset + b.qkv_nbytes],
                 buffer[b.o_offset : b.o_offset + b.o_nbytes],
                 self.attention_meta[i],
+                host_meta[i],
                 code,
                 cfg.hidden_size,
                 cfg.q_size,

@@ -77,6 +77,15 @@ def layer_kinds(meta: np.ndarray) -> tuple[tuple[int, int], ...]:
     return tuple(sorted({(int(c), int(s)) for c, s in np.asarray(meta)[:, :2]}))
 
 
+def shared_layout(meta: np.ndarray) -> tuple[int, ...] | None:
+    """The meta row every expert of a layer has (host meta [E, META_WIDTH]: one encoding, the same offsets in each
+    block), or None where any differs: what moe_q8's launchers take as `layout`."""
+    meta = np.asarray(meta)
+    if meta.ndim != 2 or not len(meta) or not (meta == meta[0]).all():
+        return None
+    return tuple(int(v) for v in meta[0])
+
+
 # ---- numpy reference ----
 def decode(raw: np.ndarray, code: int) -> np.ndarray:
     """Raw bytes of one tensor -> float32 values (not yet scaled)."""

@@ -43,20 +43,20 @@ def row_bounds(max_rows: int):
 
 
 def launch_linear_q8(
-    x, block, meta, code: int, n_out: int, out, bounds, first_row, stream=0, accumulate: bool = False,
-    shape: LaunchShape = DECODE_SHAPE,
+    x, block, meta, code: int, n_out: int, out, bounds, stream=0, accumulate: bool = False,
+    shape: LaunchShape = DECODE_SHAPE, layout=None,
 ) -> None:
     """x [R, K] float32; block uint8 [nbytes] (matrix [n_out, K] of `code` from byte meta[0, 4], its scales [n_out]
     float32 from byte meta[0, 7]; 16-byte aligned, nbytes a multiple of 4); meta [1, META_WIDTH] int32 (device,
-    matrix_meta); out [R, n_out] float32, written (accumulate: added to); bounds: row_bounds(>= R) on the device;
-    first_row: int32 [1, 1] device array holding 0 (the one-row launch's slot). K must be a positive multiple of 16
-    (whole 16-byte chunks of a row). shape: how the rows spread over warps and blocks (moe_q8.LaunchShape)."""
+    matrix_meta); out [R, n_out] float32, written (accumulate: added to); bounds: row_bounds(>= R) on the device.
+    K must be a positive multiple of 16 (whole 16-byte chunks of a row). shape: how the rows spread over warps and
+    blocks (moe_q8.LaunchShape). layout: meta's row on the host (the same values), so the offsets go in as launch
+    arguments and the weights stream without waiting on a meta read; None: the kernel reads meta."""
     R, K = x.shape
     check_array("x", x, (R, K), np.float32)
     check_array("out", out, (R, n_out), np.float32)
     check_array("meta", meta, (1, expert_quant.META_WIDTH), np.int32)
     check_array("bounds", bounds, (bounds.shape[0], 2), np.int32)
-    check_array("first_row", first_row, (1, 1), np.int32)
     _check_code(code)
     if K % 16 or K <= 0 or n_out <= 0:
         raise ValueError(f"an 8-bit matrix [{n_out}, {K}] needs rows of a positive multiple of 16 values")
@@ -64,11 +64,14 @@ def launch_linear_q8(
         raise ValueError(f"block must be uint8 [n] with n % 4 == 0, got {block.dtype} {list(block.shape)}")
     if not 1 <= R < bounds.shape[0]:
         raise ValueError(f"{R} rows: bounds hold offsets for 1 to {bounds.shape[0] - 1} rows")
-    # one row by slot (slot 0 runs expert first_row[0] = 0), more as the expert's grouped positions [0, R)
-    ids, offsets = (first_row, None) if R == 1 else (None, bounds[R])
+    # one row: one slot running the block directly; more: the expert's grouped positions [0, R)
+    offsets = None if R == 1 else bounds[R]
     kinds = ((int(code), expert_quant.SCALE_CHANNEL),)
     experts = block.reshape(1, block.size)  # the one expert's block
-    _launch(x, None, offsets, ids, experts, meta, n_out, K, 1, False, out, stream, None, kinds, shape, accumulate)
+    _launch(
+        x, None, offsets, None, experts, meta, n_out, K, 1, False, out, stream, None, kinds, shape, accumulate,
+        layout=layout, direct=R == 1,
+    )
 
 
 def _check_code(code: int) -> None:

@@ -215,7 +215,9 @@ def _expert_body(
                     acc[i, t] += factor[i * unroll + u] * part[i, t]
 
     @cuda.jit(device=True, inline=True)
-    def body(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out):
+    def body(e, block, start, end, src, order, by_slot, words, scales, lay, stride, n_rows, n_in, top_k, out):
+        """lay: the expert's byte offsets in its block (gate/up: gate rows, up rows, gate scales, up scales; down:
+        rows, 0, scales, 0)."""
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
         base = block * stride
@@ -231,10 +233,10 @@ def _expert_body(
         n_cb = (n_in + SCALE_BLOCK_SIZE - 1) // SCALE_BLOCK_SIZE
         row0 = (cuda.blockIdx.y * warps + warp) * rows
         for i in range(nw):
-            m = (0 if i < rows else 1) if gated else 2  # gate, up, down
+            m = 0 if i < rows else 1  # gate (or down), up
             row = min(row0 + i % rows, n_rows - 1)  # rows past the end re-read the last row, never written
-            roff[i] = (base + meta[e, 2 + m] + row * n_in * nb) // 4
-            s0 = (base + meta[e, 5 + m]) // 4
+            roff[i] = (base + lay[m] + row * n_in * nb) // 4
+            s0 = (base + lay[2 + m]) // 4
             sidx[i] = s0 + row if scheme == SCALE_CHANNEL else s0 + (row // SCALE_BLOCK_SIZE) * n_cb
             if early_scales:
                 chan[i] = scales[sidx[i]]
@@ -281,7 +283,7 @@ def _expert_body(
 
 
 @cuda.jit(device=True, inline=True)
-def _absent(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out):
+def _absent(e, block, start, end, src, order, by_slot, words, scales, lay, stride, n_rows, n_in, top_k, out):
     return
 
 
@@ -303,24 +305,34 @@ def _kernel(
     # (a branch on values uniform over the block; registers are the largest body's)
     bodies = [_expert_body(*k, gated, tokens, shape, accumulate, mode) if k in kinds else _absent for k in ALL_KINDS]
     prologue = programmatic.prologue(mode)
+    m0 = 0 if gated else 2  # the meta fields of the matrix the launch reads first: gate (then up), or down
+    # a layout given at launch stands for the kernel's one encoding; a kernel of several never gets one
+    given_code, given_scheme = kinds[0] if len(kinds) == 1 else (-1, -1)
     body0, body1, body2, body3, body4, body5, body6 = bodies
     (c0, s0), (c1, s1), (c2, s2), (c3, s3), (c4, s4), (c5, s5), (c6, s6) = ALL_KINDS
 
     def kernel(
-        src, order, offsets, ids, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, slot_of, use_slots, out
+        src, order, offsets, ids, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, slot_of, use_slots, out,
+        layout,
     ):
         """src: x [T, D] (gate_up) or h [n, F] (down) as flat float32; order [n] int32 and offsets [E+1] int32
-        (grouped; unused by slot); ids [K] int32 (by slot; unused grouped); by_slot: 1 = by slot, 0 = grouped.
-        words: the layer's expert buffer [E, stride] as flat uint32; scales: the same bytes as flat float32;
-        meta [E, META_WIDTH] int32; stride: bytes per expert; n_rows / n_in: output rows and input values of the
-        matrix (F, D for gate_up; D, F for down); slot_of [E] int32, read when use_slots != 0: expert e's
-        block is block slot_of[e] of the buffer (the expert cache's slots; < 0: not computed, its rows
-        untouched), its meta still meta[e]; else block e. out [n, n_rows] float32. Grid (slots or E, row
-        blocks), shape.warps * 32 threads."""
+        (grouped; unused by slot); ids [K] int32 (by slot; unused otherwise); by_slot: 1 = by slot (slot s runs
+        expert ids[s]), 2 = slot s runs expert s (ids unread), 0 = grouped. words: the layer's expert buffer
+        [E, stride] as flat uint32; scales: the same bytes as flat float32; meta [E, META_WIDTH] int32; stride:
+        bytes per expert; n_rows / n_in: output rows and input values of the matrix (F, D for gate_up; D, F for
+        down); slot_of [E] int32, read when use_slots != 0: expert e's block is block slot_of[e] of the buffer
+        (the expert cache's slots; < 0: not computed, its rows untouched), its meta still meta[e]; else block
+        e. out [n, n_rows] float32. layout: 4 int64, the byte offsets every expert of the layer shares, as
+        `launch_layout` gives them (the kernel's one encoding, no meta read), or layout[0] < 0: each expert's
+        meta row read on the device. Grid (slots or E, row blocks), shape.warps * 32 threads."""
         prologue()
         s_id = cuda.blockIdx.x
-        if by_slot != 0:
+        if by_slot == 1:
             e = ids[s_id]
+            start = s_id
+            end = s_id + 1
+        elif by_slot == 2:
+            e = s_id
             start = s_id
             end = s_id + 1
         else:
@@ -332,21 +344,30 @@ def _kernel(
             block = slot_of[e]
         if start >= end or block < 0:
             return  # the whole block leaves before any barrier
-        code, scheme = meta[e, 0], meta[e, 1]
+        if layout[0] >= 0:  # known at launch: the weights' addresses wait on no load but the expert's id
+            code, scheme, lay = given_code, given_scheme, layout
+        else:  # the meta row's fields read together, one round trip before the weights stream
+            code, scheme = meta[e, 0], meta[e, 1]
+            lay = (
+                np.int64(meta[e, 2 + m0]),
+                np.int64(meta[e, 3]) if gated else np.int64(0),
+                np.int64(meta[e, 5 + m0]),
+                np.int64(meta[e, 6]) if gated else np.int64(0),
+            )
         if code == c0 and scheme == s0:
-            body0(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+            body0(e, block, start, end, src, order, by_slot, words, scales, lay, stride, n_rows, n_in, top_k, out)
         elif code == c1 and scheme == s1:
-            body1(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+            body1(e, block, start, end, src, order, by_slot, words, scales, lay, stride, n_rows, n_in, top_k, out)
         elif code == c2 and scheme == s2:
-            body2(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+            body2(e, block, start, end, src, order, by_slot, words, scales, lay, stride, n_rows, n_in, top_k, out)
         elif code == c3 and scheme == s3:
-            body3(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+            body3(e, block, start, end, src, order, by_slot, words, scales, lay, stride, n_rows, n_in, top_k, out)
         elif code == c4 and scheme == s4:
-            body4(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+            body4(e, block, start, end, src, order, by_slot, words, scales, lay, stride, n_rows, n_in, top_k, out)
         elif code == c5 and scheme == s5:
-            body5(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+            body5(e, block, start, end, src, order, by_slot, words, scales, lay, stride, n_rows, n_in, top_k, out)
         elif code == c6 and scheme == s6:
-            body6(e, block, start, end, src, order, by_slot, words, scales, meta, stride, n_rows, n_in, top_k, out)
+            body6(e, block, start, end, src, order, by_slot, words, scales, lay, stride, n_rows, n_in, top_k, out)
 
     return kernel, programmatic.compiled(kernel, mode, launch_bounds=kernel_bounds(kinds, tokens, shape))
 
@@ -380,20 +401,49 @@ def buffer_args(experts, meta) -> tuple:
     return flat.view(np.uint32), flat.view(np.float32), meta, experts.shape[1]
 
 
+NO_LAYOUT = (-1, 0, 0, 0)  # the kernels' layout argument when each expert's meta row is read on the device
+
+
+def launch_layout(layout: tuple[int, ...] | None, gated: bool, kinds: tuple) -> tuple[int, int, int, int]:
+    """The kernels' layout argument for a launch given the layer's shared meta row (a host tuple,
+    `expert_quant.shared_layout`) or None: gate/up takes the gate and up offsets and their scales', down its own.
+    Refused in one line where the row is not one the launch's kernel can stand for."""
+    if layout is None:
+        return NO_LAYOUT
+    if not isinstance(layout, tuple):
+        raise TypeError(f"layout: a tuple of {META_WIDTH} ints (expert_quant.shared_layout), got {type(layout).__name__}")
+    return _layout_offsets(layout, gated, tuple(kinds))
+
+
+@functools.lru_cache(maxsize=1024)  # once per (row, launch kind), not on every eager launch
+def _layout_offsets(layout: tuple[int, ...], gated: bool, kinds: tuple) -> tuple[int, int, int, int]:
+    row = [int(v) for v in layout]
+    if len(row) != META_WIDTH:
+        raise ValueError(f"layout: a meta row of {META_WIDTH} values, got {len(row)}")
+    if tuple(kinds) != ((row[0], row[1]),):
+        raise ValueError(f"layout: its encoding {(row[0], row[1])} is not the launch's only one (kinds {list(kinds)})")
+    m = 0 if gated else 2
+    offsets = (row[2 + m], row[3] if gated else 0, row[5 + m], row[6] if gated else 0)
+    if any(v < 0 for v in offsets) or offsets[0] % CHUNK_BYTES or offsets[1] % CHUNK_BYTES:
+        raise ValueError(f"layout: offsets {offsets} must be >= 0, the rows' at multiples of {CHUNK_BYTES} bytes")
+    return offsets
+
+
 def _launch(
     src, order, offsets, ids, experts, meta, n_rows, n_in, top_k, gated, out, stream, slot_of, kinds, shape,
-    accumulate=False,
+    accumulate=False, layout=None, direct=False,
 ):
-    by_slot = ids is not None
-    slots = ids.size if by_slot else offsets.shape[0] - 1
+    """direct: one slot, running block 0 at position 0 (ids unread: a one-expert layer's single row)."""
+    by_slot = ids is not None or direct
+    slots = 1 if direct else ids.size if by_slot else offsets.shape[0] - 1
     dummy = meta.reshape(meta.size)[:1]
     grid = (slots, -(-n_rows // (shape.warps * shape.rows(gated))))
     args = (
         src.reshape(src.size),
         order if order is not None else dummy,
         offsets if offsets is not None else dummy,
-        ids.reshape(ids.size) if by_slot else dummy,
-        int(by_slot),
+        ids.reshape(ids.size) if ids is not None and not direct else dummy,
+        2 if direct else int(by_slot),
         *buffer_args(experts, meta),
         n_rows,
         n_in,
@@ -401,6 +451,7 @@ def _launch(
         slot_of if slot_of is not None else dummy,
         int(slot_of is not None),
         out,
+        launch_layout(layout, gated, kinds),
     )
     kernel = _kernel(kinds, gated, 1 if by_slot else TOK_TILE, shape, accumulate, programmatic.mode())[1]
     kernel[grid, shape.warps * WARP, stream](*args)
@@ -408,7 +459,7 @@ def _launch(
 
 def launch_q8_gate_up(
     x, experts, meta, F: int, D: int, h, ids=None, order=None, offsets=None, stream=0, slot_of=None, kinds=None,
-    shape: LaunchShape = DECODE_SHAPE,
+    shape: LaunchShape = DECODE_SHAPE, layout=None,
 ) -> None:
     """x [T, D] float32; experts uint8 [E, stride] (the layer's blocks); meta [E, META_WIDTH] int32 (device);
     h [n, F] float32. By slot: ids [1, K] int32 (T == 1, n == K). Grouped: order [n] int32 and offsets [E+1]
@@ -418,7 +469,9 @@ def launch_q8_gate_up(
     pairs of the layer's experts (layer_kinds of the host meta, known when the model loads; one launch each);
     default every pair, right for any layer at the cost of a launch per absent one. An expert whose pair is not
     listed is not computed. shape: how the rows spread over warps and blocks (DECODE_SHAPE; other shapes are for
-    bench/q8_kernels.py --q8-shapes)."""
+    bench/q8_kernels.py --q8-shapes). layout: the meta row every expert of the layer shares (host,
+    `expert_quant.shared_layout`; the same values as meta's rows on the device), whose offsets then go in as launch arguments
+    so the weights' addresses wait only on the expert's id; None: each expert's row read on the device."""
     kinds = check_layer(experts, meta, F, D, slot_of, kinds)
     E = meta.shape[0]
     T = x.shape[0]
@@ -436,15 +489,15 @@ def launch_q8_gate_up(
             raise ValueError(f"order length {n} is not a multiple of T={T}")
         top_k = n // T
     check_array("h", h, (n, F), np.float32)
-    _launch(x, order, offsets, ids, experts, meta, F, D, top_k, True, h, stream, slot_of, kinds, shape)
+    _launch(x, order, offsets, ids, experts, meta, F, D, top_k, True, h, stream, slot_of, kinds, shape, layout=layout)
 
 
 def launch_q8_down(
     h, experts, meta, F: int, D: int, y, ids=None, offsets=None, stream=0, slot_of=None, kinds=None,
-    shape: LaunchShape = DECODE_SHAPE,
+    shape: LaunchShape = DECODE_SHAPE, layout=None,
 ) -> None:
     """h [n, F] float32 (launch_q8_gate_up's output) -> y [n, D] float32 = h[p] @ down[e]^T, not yet weighted by
-    the router. ids (by slot) or offsets (grouped), slot_of, kinds and shape, as in launch_q8_gate_up."""
+    the router. ids (by slot) or offsets (grouped), slot_of, kinds, shape and layout as in launch_q8_gate_up."""
     kinds = check_layer(experts, meta, F, D, slot_of, kinds)
     n = h.shape[0]
     check_array("h", h, (n, F), np.float32)
@@ -453,7 +506,7 @@ def launch_q8_down(
         check_array("ids", ids, (1, n), np.int32)
     else:
         check_array("offsets", offsets, (meta.shape[0] + 1,), np.int32)
-    _launch(h, None, offsets, ids, experts, meta, D, F, 1, False, y, stream, slot_of, kinds, shape)
+    _launch(h, None, offsets, ids, experts, meta, D, F, 1, False, y, stream, slot_of, kinds, shape, layout=layout)
 
 
 # The kernels the sm_90 compile check builds (each path compiles in seconds): every 8-bit encoding alone at
@@ -489,7 +542,8 @@ def kernel_bounds(kinds, tokens: int, shape: LaunchShape = DECODE_SHAPE) -> tupl
 def sm90_signature():
     """The numba signature every kernel takes."""
     f1, f2, i1, i64 = types.float32[::1], types.float32[:, ::1], types.int32[::1], types.int64
-    return (f1, i1, i1, i1, i64, types.uint32[::1], f1, types.int32[:, ::1], i64, i64, i64, i64, i1, i64, f2)
+    layout = types.UniTuple(i64, 4)
+    return (f1, i1, i1, i1, i64, types.uint32[::1], f1, types.int32[:, ::1], i64, i64, i64, i64, i1, i64, f2, layout)
 
 
 def sm90_signatures():

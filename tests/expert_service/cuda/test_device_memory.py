@@ -334,7 +334,7 @@ def test_an_8bit_heads_device_buffers_are_planned_with_the_workspace(tmp_path, v
     assert workspace(eight_bit) - workspace(plain) == planned
     device = EightBitRows(rows, D, mma, cuda.default_stream())
     allocated = allocated_arrays(device)
-    assert len(allocated) == (6 if mma else 2) and sum(a.nbytes for a in allocated) == planned == device.nbytes
+    assert len(allocated) == (5 if mma else 1) and sum(a.nbytes for a in allocated) == planned == device.nbytes
 
 
 def test_8bit_attentions_device_buffers_are_planned_with_the_workspace(tmp_path):
@@ -369,7 +369,7 @@ def test_8bit_attentions_device_buffers_are_planned_with_the_workspace(tmp_path)
     weights = DeviceWeights(eight_bit, cuda.default_stream(), use_pinned_memory=False)
     device = DeviceAttention8Bit(weights.attention_8bit, weights, 200, cuda.default_stream(), dense_rows=dense_rows)
     allocated = allocated_arrays(device.rows)
-    assert len(allocated) == 8 and sum(a.nbytes for a in allocated) == planned == device.rows.nbytes
+    assert len(allocated) == 7 and sum(a.nbytes for a in allocated) == planned == device.rows.nbytes
     assert device.rows.rows_bf16.size == device.rows.sorted_ids.size * max(cfg.hidden_size, cfg.q_size)
     assert device.rows.widened.size == cfg.q_size * cfg.hidden_size and device.rows.widened.dtype == np.uint16
     for never in (0, 201):  # no widening within the engine's steps: no scratch, planned or allocated

@@ -158,7 +158,7 @@ def test_the_model_builds_its_warmer_only_once_the_option_is_on(monkeypatch):
     monkeypatch.setattr(l2_warm.L2Warmer, "make", lambda *a: made.append(a) or object())
     model = CudaModel.__new__(CudaModel)
     model.config, model.weights, model.stream = "config", "weights", "stream"
-    model.moe, model.attention_8bit = type("Moe", (), {})(), None
+    model.moe, model.attention_8bit, model.head_8bit = type("Moe", (), {})(), None, None
     model.warm, model._warm_built = None, False
     model._build_warmer(CudaOptions())
     model.use_options(CudaOptions())

@@ -1,6 +1,7 @@
 """linear_q8 (a dense matrix on 8-bit rows with per-row scales: the 8-bit LM head) vs its numpy reference: one
-row (by slot) and several (grouped, a partial token tile), int8 and fp8, a row count that is no multiple of a
-block's rows (simulator on tiny shapes)."""
+row (one slot running the block) and several (grouped, a partial token tile), int8 and fp8, a row count that is no
+multiple of a block's rows, the offsets read from meta on the device or given at launch (simulator on tiny
+shapes)."""
 
 import numpy as np
 import pytest
@@ -22,17 +23,22 @@ def matrix_block(rng, code, n_out, K):
     return block, matrix_meta(code, scale_at), raw.reshape(n_out, K), scale
 
 
+def host_row(meta) -> tuple[int, ...]:
+    return tuple(int(v) for v in meta[0])
+
+
 @pytest.mark.parametrize("code", [q.CODE_INT8, q.CODE_FP8])
 @pytest.mark.parametrize("rows", [1, 2, 7])
-def test_matches_reference(code, rows):
+@pytest.mark.parametrize("given", [False, True])
+def test_matches_reference(code, rows, given):
     rng = np.random.default_rng(100 * code + rows)
     n_out, K = 37, 48  # 37: the last row block is partial
     block, meta, codes, scale = matrix_block(rng, code, n_out, K)
     x = rng.standard_normal((rows, K)).astype(np.float32)
     out = cuda.to_device(np.full((rows, n_out), np.nan, np.float32))  # every element must be written
     bounds = cuda.to_device(row_bounds(8))
-    first = cuda.to_device(np.zeros((1, 1), np.int32))
-    launch_linear_q8(cuda.to_device(x), cuda.to_device(block), cuda.to_device(meta), code, n_out, out, bounds, first)
+    layout = host_row(meta) if given else None
+    launch_linear_q8(cuda.to_device(x), cuda.to_device(block), cuda.to_device(meta), code, n_out, out, bounds, layout=layout)
     got = out.copy_to_host()
     ref = linear_q8_reference(x, codes, scale, code)
     assert np.isfinite(got).all()
@@ -49,12 +55,33 @@ def test_adds_into_out_through_a_stacked_blocks_offsets(rows):
     meta = matrix_meta(code, scale_at + 4 * n_first, n_first * K)
     x = rng.standard_normal((rows, K)).astype(np.float32)
     base = rng.standard_normal((rows, n_out)).astype(np.float32)
-    out = cuda.to_device(base)
-    bounds, first = cuda.to_device(row_bounds(4)), cuda.to_device(np.zeros((1, 1), np.int32))
-    args = (cuda.to_device(block), cuda.to_device(meta), code, n_out, out, bounds, first)
-    launch_linear_q8(cuda.to_device(x), *args, accumulate=True)
     ref = base + linear_q8_reference(x, codes[n_first:], scale[n_first:], code)
-    np.testing.assert_allclose(out.copy_to_host(), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+    for layout in (None, host_row(meta)):
+        out = cuda.to_device(base)
+        args = (cuda.to_device(block), cuda.to_device(meta), code, n_out, out, cuda.to_device(row_bounds(4)))
+        launch_linear_q8(cuda.to_device(x), *args, accumulate=True, layout=layout)
+        np.testing.assert_allclose(out.copy_to_host(), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_given_layout_is_what_the_kernel_reads(rows):
+    """With the layout given at launch the device meta row is not read: a meta row of wrong offsets on the device
+    changes nothing, and the bits equal those of the right row read on the device."""
+    rng = np.random.default_rng(40 + rows)
+    code, K, n_first, n_out = q.CODE_INT8, 32, 16, 21
+    block, _, _, _ = matrix_block(rng, code, n_first + n_out, K)
+    scale_at = block.size - 4 * (n_first + n_out)
+    meta = matrix_meta(code, scale_at + 4 * n_first, n_first * K)  # k of a stacked block: nonzero offsets
+    wrong = matrix_meta(code, scale_at)  # the first matrix's offsets
+    x = cuda.to_device(rng.standard_normal((rows, K)).astype(np.float32))
+    got = {}
+    for name, device_meta, layout in (("read", meta, None), ("given", wrong, host_row(meta)), ("wrong", wrong, None)):
+        out = cuda.to_device(np.full((rows, n_out), np.nan, np.float32))
+        bounds = cuda.to_device(row_bounds(4))
+        launch_linear_q8(x, cuda.to_device(block), cuda.to_device(device_meta), code, n_out, out, bounds, layout=layout)
+        got[name] = out.copy_to_host()
+    assert np.isfinite(got["given"]).all() and np.array_equal(got["given"], got["read"])
+    assert not np.array_equal(got["wrong"], got["read"])  # the device row is what the kernel reads otherwise
 
 
 def test_refusals():
@@ -64,7 +91,6 @@ def test_refusals():
         block=cuda.to_device(block),
         meta=cuda.to_device(meta),
         bounds=cuda.to_device(row_bounds(2)),
-        first_row=cuda.to_device(np.zeros((1, 1), np.int32)),
     )
     out = cuda.to_device(np.zeros((3, 16), np.float32))
     with pytest.raises(ValueError, match="bounds hold offsets for 1 to 2 rows"):
@@ -73,6 +99,14 @@ def test_refusals():
         launch_linear_q8(cuda.to_device(np.ones((1, 32), np.float32)), code=q.CODE_BF16, n_out=16, out=out[:1], **args)
     with pytest.raises(ValueError, match="multiple of 16"):
         launch_linear_q8(cuda.to_device(np.ones((1, 24), np.float32)), code=q.CODE_INT8, n_out=16, out=out[:1], **args)
+    one = cuda.to_device(np.ones((1, 32), np.float32))
+    fp8_row = host_row(matrix_meta(q.CODE_FP8, 64))
+    with pytest.raises(ValueError, match=r"layout: its encoding \(3, 1\) is not the launch's only one"):
+        launch_linear_q8(one, code=q.CODE_INT8, n_out=16, out=out[:1], layout=fp8_row, **args)
+    with pytest.raises(ValueError, match="layout: a meta row of 8 values, got 3"):
+        launch_linear_q8(one, code=q.CODE_INT8, n_out=16, out=out[:1], layout=(1, 1, 0), **args)
+    with pytest.raises(TypeError, match="layout: a tuple of 8 ints"):
+        launch_linear_q8(one, code=q.CODE_INT8, n_out=16, out=out[:1], layout=list(host_row(meta)), **args)
     with pytest.raises(ValueError, match="multiple of 4 bytes"):
         matrix_meta(q.CODE_INT8, 66)
     with pytest.raises(ValueError, match="matrix offset 8: a matrix starts at a multiple of 16 bytes"):
@@ -91,12 +125,12 @@ def test_scales_read_late_give_the_same_bits(code, rows):
     block, meta, _, _ = matrix_block(rng, code, n_out, K)
     x = cuda.to_device(rng.standard_normal((rows, K)).astype(np.float32))
     base = rng.standard_normal((rows, n_out)).astype(np.float32)
-    bounds, first = cuda.to_device(row_bounds(4)), cuda.to_device(np.zeros((1, 1), np.int32))
+    bounds = cuda.to_device(row_bounds(4))
     args = (cuda.to_device(block), cuda.to_device(meta), code, n_out)
     for accumulate in (False, True):
         got = []
         for shape in (DECODE_SHAPE, DECODE_SHAPE._replace(late_scales=1)):
             out = cuda.to_device(base)
-            launch_linear_q8(x, *args, out, bounds, first, accumulate=accumulate, shape=shape)
+            launch_linear_q8(x, *args, out, bounds, accumulate=accumulate, shape=shape)
             got.append(out.copy_to_host())
         assert not np.array_equal(got[0], base) and np.array_equal(got[0], got[1]), (code, rows, accumulate)

@@ -305,3 +305,70 @@ def test_bad_shapes_are_refused():
             offsets=cuda.to_device(np.zeros(3, np.int32)),
             slot_of=cuda.to_device(np.zeros(2, np.int64)),
         )
+
+
+@pytest.mark.parametrize("kind", [(q.CODE_INT8, q.SCALE_CHANNEL), (q.CODE_FP8, q.SCALE_BLOCK)])  # both scale schemes
+def test_a_shared_layout_given_at_launch_gives_the_meta_reads_bits(kind):
+    """A layer whose experts share one block layout (one encoding): its meta row given at launch stands for the
+    device reads, bit for bit, by slot (through the slot map too) and grouped; with it given the device meta is
+    not read (rows of wrong offsets there change nothing)."""
+    F, D, T, K, E = 32, 32, 3, 2, 4
+    rng = np.random.default_rng(17 + kind[0] * 3 + kind[1])
+    W, meta, _ = mixed_layer(rng, [kind] * E, F, D)
+    layout = q.shared_layout(meta)
+    assert layout == tuple(int(v) for v in meta[0])
+    wrong = np.ascontiguousarray(meta[:, [0, 1, 3, 2, 2, 6, 5, 5]])  # gate and up swapped, down pointing at gate: in range, finite
+    kinds = layer_kinds(meta)
+    ids = np.array([[3, 1], [0, 3], [2, 1]], np.int32)
+    x = cuda.to_device(rng.standard_normal((T, D)).astype(np.float32))
+    groups = group_by_expert(ids, E)
+    order, offsets = cuda.to_device(groups.order.astype(np.int32)), cuda.to_device(groups.offsets.astype(np.int32))
+    slot_of = np.array([2, 0, 3, 1], np.int32)
+    slots = np.empty_like(W)
+    slots[slot_of] = W
+
+    def run(device_meta, given, how):
+        h = cuda.to_device(np.full((T * K if how == "grouped" else K, F), np.nan, np.float32))
+        y = cuda.to_device(np.full((h.shape[0], D), np.nan, np.float32))
+        args = dict(kinds=kinds, layout=layout if given else None)
+        if how == "grouped":
+            args.update(offsets=offsets)
+            src = x
+        else:
+            args.update(ids=cuda.to_device(ids[:1]))
+            src = x[:1]
+        buffer = cuda.to_device(W)
+        if how == "slots":
+            args.update(slot_of=cuda.to_device(slot_of))
+            buffer = cuda.to_device(slots)
+        dmeta = cuda.to_device(device_meta)
+        launch_q8_gate_up(src, buffer, dmeta, F, D, h, **({"order": order} if how == "grouped" else {}), **args)
+        launch_q8_down(h, buffer, dmeta, F, D, y, **args)
+        return h.copy_to_host(), y.copy_to_host()
+
+    for how in ("slot", "slots", "grouped"):
+        read, given = run(meta, False, how), run(wrong, True, how)
+        for a, b in zip(read, given):
+            assert np.isfinite(a).all() and np.array_equal(a, b), how
+    assert not np.array_equal(run(wrong, False, "slot")[0], read[0])  # without the layout the device rows are read
+
+
+def test_shared_layout_and_its_refusals():
+    F, D = 32, 32
+    rng = np.random.default_rng(23)
+    _, mixed, _ = mixed_layer(rng, [(q.CODE_INT8, q.SCALE_CHANNEL), (q.CODE_FP8, q.SCALE_CHANNEL)], F, D)
+    assert q.shared_layout(mixed) is None  # two encodings: each expert's row read on the device
+    _, same, _ = mixed_layer(rng, [(q.CODE_INT8, q.SCALE_CHANNEL)] * 2, F, D)
+    layout = q.shared_layout(same)
+    W, x = cuda.to_device(np.zeros((2, 8192), np.uint8)), cuda.to_device(np.zeros((1, D), np.float32))
+    h, ids = cuda.to_device(np.zeros((1, F), np.float32)), cuda.to_device(np.zeros((1, 1), np.int32))
+    common = (x, W, cuda.to_device(same), F, D, h)
+    with pytest.raises(ValueError, match="layout: its encoding"):  # a kernel of several encodings takes none
+        launch_q8_gate_up(*common, ids=ids, layout=layout)
+    with pytest.raises(ValueError, match="layout: its encoding"):
+        launch_q8_gate_up(*common, ids=ids, kinds=[(q.CODE_FP8, q.SCALE_CHANNEL)], layout=layout)
+    with pytest.raises(TypeError, match="layout: a tuple"):
+        launch_q8_gate_up(*common, ids=ids, kinds=layer_kinds(same), layout=np.array(layout))
+    bad = (q.CODE_INT8, q.SCALE_CHANNEL, 8, *layout[3:])
+    with pytest.raises(ValueError, match="multiples of 16 bytes"):
+        launch_q8_gate_up(*common, ids=ids, kinds=layer_kinds(same), layout=bad)
