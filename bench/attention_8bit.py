@@ -9,8 +9,9 @@ q|k|v and o_proj at a step of R rows.
          attention_8bit_dense_rows rows each matrix widened into a bf16 scratch for cuBLAS; beside it "-widened"
          (widened at every row count), "-gemm" (the 8-bit GEMM where the engine widens), "-whole" (the GEMM never
          split) and "-stream" (linear_q8 at every row count, one pass over the weights a tile of 4 rows) up to 64
-         rows, and at up to 4 rows each --q8-shapes NAME=W/RG/RD/U/WPS[/L] launch shape of the weight stream
-         (moe_q8.LaunchShape).
+         rows, and at up to 4 rows "-layout" (the block offsets as launch arguments instead of each launch
+         reading its meta row on the device: CudaOptions.q8_layout_at_launch) and each --q8-shapes
+         NAME=W/RG/RD/U/WPS[/L] launch shape of the weight stream (moe_q8.LaunchShape).
 
 Per row count: GPU microseconds per layer (the launches of --copies layers of distinct random weights captured in
 one CUDA graph and replayed between two events, so L2 holds none of the next layer's weights and Numba's host cost
@@ -109,6 +110,9 @@ def variants(eight, R: int, widest: int, q8_shapes: dict, stream) -> dict:
         if R <= 64:
             out["-stream"] = with_rows(EightBitRows(eight.rows.max_rows, widest, False, stream))
     else:
+        given = EightBitRows(eight.rows.max_rows, widest, True, stream)
+        given.layout_at_launch = True  # the offsets as launch arguments (CudaOptions.q8_layout_at_launch)
+        out["-layout"] = with_rows(given)
         for label, shape in q8_shapes.items():
             out[f"-{label}"] = with_rows(EightBitRows(eight.rows.max_rows, widest, True, stream, stream_shape=shape))
     return out

@@ -27,6 +27,7 @@ layer is 1.4 GB), fp8 bytes with the NaN codes replaced.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -179,13 +180,14 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, rate: float, 
         code, scheme = (q.CODE_INT8, q.SCALE_CHANNEL) if name == "int8" else (q.CODE_FP8, q.SCALE_BLOCK)
         blocks, meta, offs = random_layer(rng, code, scheme, E, F, D)
         W, dmeta, kinds = cuda.to_device(blocks), cuda.to_device(meta), q.layer_kinds(meta)
+        layout = q.shared_layout(meta)  # what the engine's launches give under CudaOptions.q8_layout_at_launch
         per_expert = offs[6]  # weights and scales, as stored
         del blocks
         res: dict = {}
 
-        def new_b1(i):
-            launch_q8_gate_up(x, W, dmeta, F, D, h, ids=sets[i % len(sets)], stream=stream, kinds=kinds)
-            launch_q8_down(h, W, dmeta, F, D, y, ids=sets[i % len(sets)], stream=stream, kinds=kinds)
+        def new_b1(i, layout=None):
+            launch_q8_gate_up(x, W, dmeta, F, D, h, ids=sets[i % len(sets)], stream=stream, kinds=kinds, layout=layout)
+            launch_q8_down(h, W, dmeta, F, D, y, ids=sets[i % len(sets)], stream=stream, kinds=kinds, layout=layout)
 
         def dp4a_b1(i):
             launch_dp4a_gate_up(x, sets[i % len(sets)], W, dmeta, F, D, h_dp4a, part_max, stream=stream)
@@ -196,8 +198,9 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, rate: float, 
             old.launch_q8(h_old, None, None, sets[i % len(sets)], W, dmeta, D, F, 1, False, y_old, stream)
 
         def new_grouped(_i):
-            launch_q8_gate_up(xt, W, dmeta, F, D, ht, order=order, offsets=offsets, stream=stream, kinds=kinds)
-            launch_q8_down(ht, W, dmeta, F, D, yt, offsets=offsets, stream=stream, kinds=kinds)
+            grouped = dict(offsets=offsets, stream=stream, kinds=kinds)
+            launch_q8_gate_up(xt, W, dmeta, F, D, ht, order=order, **grouped)
+            launch_q8_down(ht, W, dmeta, F, D, yt, **grouped)
 
         def dp4a_grouped(_i):
             launch_dp4a_quantize_tokens(xt, xq_t, xs_t, stream=stream)
@@ -208,7 +211,10 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, rate: float, 
             old.launch_q8(xt, order, offsets, None, W, dmeta, F, D, K, True, ht_old, stream)
             old.launch_q8(ht_old, None, offsets, None, W, dmeta, D, F, 1, False, yt_old, stream)
 
+        given_b1 = functools.partial(new_b1, layout=layout)  # offsets as launch arguments, no meta read
+        res["layout_b1"] = row(f"{name} moe_q8 layout given, b=1", timed(given_b1, iters, stream), K * per_expert, rate)
         res["new_b1"] = row(f"{name} moe_q8 new, b=1", timed(new_b1, iters, stream), K * per_expert, rate)
+        res["layout_over_meta_read_b1"] = res["new_b1"]["us"] / res["layout_b1"]["us"]
         if q8_shapes:
             res["launch_shapes"] = launch_shapes(
                 q8_shapes, name, x, W, dmeta, kinds, sets, h, y, iters, stream, per_expert, rate
@@ -273,7 +279,20 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, rate: float, 
 
 
 def launch_shapes(
-    shapes: dict, name: str, x, W, dmeta, kinds, sets, h, y, iters: int, stream, per_expert: int, rate: float
+    shapes: dict,
+    name: str,
+    x,
+    W,
+    dmeta,
+    kinds,
+    sets,
+    h,
+    y,
+    iters: int,
+    stream,
+    per_expert: int,
+    rate: float,
+    layout=None,
 ) -> dict:
     """moe_q8's b=1 gate/up + down under each launch shape: time, bytes, and whether h and y equal the default
     shape's bit for bit (h and y hold the default launch's last outputs)."""
@@ -290,8 +309,8 @@ def launch_shapes(
 
         def run(i, s=launch_shape):
             ids = sets[i % len(sets)]
-            launch_q8_gate_up(x, W, dmeta, F, D, h2, ids=ids, stream=stream, kinds=kinds, shape=s)
-            launch_q8_down(h2, W, dmeta, F, D, y2, ids=ids, stream=stream, kinds=kinds, shape=s)
+            launch_q8_gate_up(x, W, dmeta, F, D, h2, ids=ids, stream=stream, kinds=kinds, shape=s, layout=layout)
+            launch_q8_down(h2, W, dmeta, F, D, y2, ids=ids, stream=stream, kinds=kinds, shape=s, layout=layout)
 
         us = timed(run, iters, stream)
         run(iters - 1)  # the default's last set, so the outputs compare

@@ -123,7 +123,7 @@ class EightBitRows:
     ):
         self.max_rows, self.mma, self.stream = max_rows, mma and max_rows >= MMA_MIN_ROWS, stream
         self.stream_shape, self.linear = stream_shape, linear
-        self.layout_at_launch = True  # CudaOptions.q8_layout_at_launch (use_layout_at_launch)
+        self.layout_at_launch = False  # CudaOptions.q8_layout_at_launch (CudaModel sets it)
         self.rows = self.dense_min_rows = 0
         self.partials: DeviceNDArray | None = None  # split-K partial sums (none: no split)
         self.bounds = cuda.to_device(row_bounds(max_rows), stream=stream)

@@ -82,9 +82,11 @@ class CudaModel:
         self._use_8bit_rows_options(options)
 
     def _use_8bit_rows_options(self, options: CudaOptions) -> None:
-        for rows in (self.head_8bit[1] if self.head_8bit else None, self.attention_8bit and self.attention_8bit.rows):
-            if rows is not None:
-                rows.layout_at_launch = options.q8_layout_at_launch
+        """CudaOptions.q8_layout_at_launch for the 8-bit LM head's and attention projections' launches."""
+        if self.head_8bit is not None:
+            self.head_8bit[1].layout_at_launch = options.q8_layout_at_launch
+        if self.attention_8bit is not None:
+            self.attention_8bit.rows.layout_at_launch = options.q8_layout_at_launch
 
     def _build_warmer(self, options: CudaOptions) -> None:
         if options.l2_prefetch and not self._warm_built:

@@ -170,7 +170,18 @@ class DeviceMoe:
             large, gemv = strategy is MoeStrategy.CACHED_CUBLAS, strategy is MoeStrategy.CACHED_GEMV
             options, a8 = self.options, self.int8_activations(i)
             self.cached.run(
-                i, x, h, T, ids, weights, large, combine, gemv, options.pipelined_waves, options.cached_mma, a8,
+                i,
+                x,
+                h,
+                T,
+                ids,
+                weights,
+                large,
+                combine,
+                gemv,
+                options.pipelined_waves,
+                options.cached_mma,
+                a8,
                 self.layout(i),
             )
         if cfg.shared_expert_intermediate_size:

@@ -369,9 +369,7 @@ class CachedExperts:
             h, tile_slot, num_tiles, sorted_ids, buffer, F, D, out, combine=COMBINE_STORE, config=config, stream=st
         )
 
-    def _wave(
-        self, i: int, w: int, T: int, x, buffer, tiling: tuple[Config, int] | None = None, layout=None
-    ) -> None:
+    def _wave(self, i: int, w: int, T: int, x, buffer, tiling: tuple[Config, int] | None = None, layout=None) -> None:
         """The grouped kernels of wave w on the compute stream: the wave's experts read through its slot map into
         moe_out (rows of experts outside the wave untouched); tiling (from `_align`): on the tensor-core kernel
         (`_mma_wave`)."""

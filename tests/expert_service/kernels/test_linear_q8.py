@@ -38,7 +38,9 @@ def test_matches_reference(code, rows, given):
     out = cuda.to_device(np.full((rows, n_out), np.nan, np.float32))  # every element must be written
     bounds = cuda.to_device(row_bounds(8))
     layout = host_row(meta) if given else None
-    launch_linear_q8(cuda.to_device(x), cuda.to_device(block), cuda.to_device(meta), code, n_out, out, bounds, layout=layout)
+    launch_linear_q8(
+        cuda.to_device(x), cuda.to_device(block), cuda.to_device(meta), code, n_out, out, bounds, layout=layout
+    )
     got = out.copy_to_host()
     ref = linear_q8_reference(x, codes, scale, code)
     assert np.isfinite(got).all()

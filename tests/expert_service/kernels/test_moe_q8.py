@@ -317,7 +317,9 @@ def test_a_shared_layout_given_at_launch_gives_the_meta_reads_bits(kind):
     W, meta, _ = mixed_layer(rng, [kind] * E, F, D)
     layout = q.shared_layout(meta)
     assert layout == tuple(int(v) for v in meta[0])
-    wrong = np.ascontiguousarray(meta[:, [0, 1, 3, 2, 2, 6, 5, 5]])  # gate and up swapped, down pointing at gate: in range, finite
+    wrong = np.ascontiguousarray(
+        meta[:, [0, 1, 3, 2, 2, 6, 5, 5]]
+    )  # gate and up swapped, down pointing at gate: in range, finite
     kinds = layer_kinds(meta)
     ids = np.array([[3, 1], [0, 3], [2, 1]], np.int32)
     x = cuda.to_device(rng.standard_normal((T, D)).astype(np.float32))
