@@ -424,8 +424,11 @@ def _layout_offsets(layout: tuple[int, ...], gated: bool, kinds: tuple) -> tuple
         raise ValueError(f"layout: its encoding {(row[0], row[1])} is not the launch's only one (kinds {list(kinds)})")
     m = 0 if gated else 2
     offsets = (row[2 + m], row[3] if gated else 0, row[5 + m], row[6] if gated else 0)
-    if any(v < 0 for v in offsets) or offsets[0] % CHUNK_BYTES or offsets[1] % CHUNK_BYTES:
-        raise ValueError(f"layout: offsets {offsets} must be >= 0, the rows' at multiples of {CHUNK_BYTES} bytes")
+    rows_off, scales_off = offsets[:2], offsets[2:]
+    if any(v < 0 for v in offsets) or any(v % CHUNK_BYTES for v in rows_off) or any(v % 4 for v in scales_off):
+        raise ValueError(
+            f"layout: offsets {offsets} must be >= 0, the rows' at multiples of {CHUNK_BYTES} bytes, the scales' of 4"
+        )
     return offsets
 
 

@@ -374,3 +374,6 @@ def test_shared_layout_and_its_refusals():
     bad = (q.CODE_INT8, q.SCALE_CHANNEL, 8, *layout[3:])
     with pytest.raises(ValueError, match="multiples of 16 bytes"):
         launch_q8_gate_up(*common, ids=ids, kinds=layer_kinds(same), layout=bad)
+    bad_scale = (*layout[:5], layout[5] + 2, *layout[6:])
+    with pytest.raises(ValueError, match="the scales' of 4"):
+        launch_q8_gate_up(*common, ids=ids, kinds=layer_kinds(same), layout=bad_scale)
