@@ -84,13 +84,12 @@ def dense_case(name, rng, stream, code):
         def launch(j, s):
             launch_gemv(x, mats[j % copies], out, stream=s)
     else:
-        host_meta = matrix_meta(code, at)
-        meta, layout = cuda.to_device(host_meta, stream=stream), tuple(int(v) for v in host_meta[0])
+        meta = cuda.to_device(matrix_meta(code, at), stream=stream)
         blocks = [dev[c * nbytes : (c + 1) * nbytes] for c in range(copies)]
         bounds = cuda.to_device(row_bounds(1), stream=stream)
 
-        def launch(j, s):
-            launch_linear_q8(x, blocks[j % copies], meta, code, N, out, bounds, stream=s, layout=layout)
+        def launch(j, s):  # meta read on the device, as the engine's default launches
+            launch_linear_q8(x, blocks[j % copies], meta, code, N, out, bounds, stream=s)
 
     def prefetch(j, s):
         l2_prefetch.launch_prefetch(dev, tables[j % copies], stream=s)

@@ -215,6 +215,12 @@ def bench_shape(shape: str, dtypes: list[str], iters: int, T: int, rate: float, 
         res["layout_b1"] = row(f"{name} moe_q8 layout given, b=1", timed(given_b1, iters, stream), K * per_expert, rate)
         res["new_b1"] = row(f"{name} moe_q8 new, b=1", timed(new_b1, iters, stream), K * per_expert, rate)
         res["layout_over_meta_read_b1"] = res["new_b1"]["us"] / res["layout_b1"]["us"]
+        want = h.copy_to_host(), y.copy_to_host()  # new_b1's last set
+        given_b1(iters - 1)
+        res["layout_b1"]["equal"] = bool(
+            np.array_equal(h.copy_to_host(), want[0]) and np.array_equal(y.copy_to_host(), want[1])
+        )
+        new_b1(iters - 1)  # h and y hold the default launch's outputs again (the comparisons below read them)
         if q8_shapes:
             res["launch_shapes"] = launch_shapes(
                 q8_shapes, name, x, W, dmeta, kinds, sets, h, y, iters, stream, per_expert, rate
@@ -292,7 +298,6 @@ def launch_shapes(
     stream,
     per_expert: int,
     rate: float,
-    layout=None,
 ) -> dict:
     """moe_q8's b=1 gate/up + down under each launch shape: time, bytes, and whether h and y equal the default
     shape's bit for bit (h and y hold the default launch's last outputs)."""
@@ -309,8 +314,8 @@ def launch_shapes(
 
         def run(i, s=launch_shape):
             ids = sets[i % len(sets)]
-            launch_q8_gate_up(x, W, dmeta, F, D, h2, ids=ids, stream=stream, kinds=kinds, shape=s, layout=layout)
-            launch_q8_down(h2, W, dmeta, F, D, y2, ids=ids, stream=stream, kinds=kinds, shape=s, layout=layout)
+            launch_q8_gate_up(x, W, dmeta, F, D, h2, ids=ids, stream=stream, kinds=kinds, shape=s)
+            launch_q8_down(h2, W, dmeta, F, D, y2, ids=ids, stream=stream, kinds=kinds, shape=s)
 
         us = timed(run, iters, stream)
         run(iters - 1)  # the default's last set, so the outputs compare

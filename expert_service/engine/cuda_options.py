@@ -146,8 +146,8 @@ class CudaOptions:
     # with the exact cpu backend take it off) (False: moe_q8)
     q8_decode_activations: bool = False
     # EXPERIMENTAL: 8-bit weight streams (moe_q8 and linear_q8: experts of layers whose experts share one block
-    # layout, the 8-bit LM head and attention projections) take their block offsets as launch arguments, so the
-    # weights' addresses wait on no load but the routed expert's id; the same bits (docs/kernels.md, "Block
+    # layout, the 8-bit LM head and attention projections) take their block offsets as launch arguments, so at one
+    # token the weights' addresses wait on no load but the routed expert's id; the same bits (docs/kernels.md, "Block
     # layout at launch"; not yet measured on a GPU) (False: each launch reads its meta row on the device first, one
     # more memory round trip before the stream)
     q8_layout_at_launch: bool = False

@@ -31,10 +31,13 @@ def test_layout_given_equals_meta_read_bit_for_bit(eight_bit_model, cache_slots)
     moe, layouts = engine.decoder.model.moe, engine.decoder.weights.expert_layout
     shared = [layout is not None for layout in layouts.values()]
     assert all(shared) if name != "mixed" else any(shared) and not all(shared), (name, shared)
-    assert moe.layout(next(iter(layouts))) is None  # off by default
+    model = engine.decoder.model
+    runners = [model.head_8bit[1], model.attention_8bit.rows] if model.attention_8bit else [model.head_8bit[1]]
+    assert moe.layout(next(iter(layouts))) is None and not any(r.layout_at_launch for r in runners)  # off by default
     read = one_sequence(engine, decodes=6), run_steps(engine)
     engine.decoder.set_options(CudaOptions(q8_layout_at_launch=True))
-    assert moe.layout(next(iter(layouts))) is not None or name == "mixed"
+    # the option reached every 8-bit launcher: experts (the first MoE layer is shared in every variant), head, attention
+    assert moe.layout(next(iter(layouts))) is not None and all(r.layout_at_launch for r in runners)
     given = one_sequence(engine, decodes=6), run_steps(engine)
     for what, a, b in zip(("one sequence", "ragged batch"), given, read):
         assert_bitwise(a, b, f"{name}, {cache_slots} cache slots, {what}: layout given vs meta read")

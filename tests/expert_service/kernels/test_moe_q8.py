@@ -311,15 +311,17 @@ def test_bad_shapes_are_refused():
 def test_a_shared_layout_given_at_launch_gives_the_meta_reads_bits(kind):
     """A layer whose experts share one block layout (one encoding): its meta row given at launch stands for the
     device reads, bit for bit, by slot (through the slot map too) and grouped; with it given the device meta is
-    not read (rows of wrong offsets there change nothing)."""
+    not read (rows of another encoding and wrong offsets there change nothing), without it it is (the wrong
+    offsets alone change the results)."""
     F, D, T, K, E = 32, 32, 3, 2, 4
     rng = np.random.default_rng(17 + kind[0] * 3 + kind[1])
     W, meta, _ = mixed_layer(rng, [kind] * E, F, D)
     layout = q.shared_layout(meta)
     assert layout == tuple(int(v) for v in meta[0])
-    wrong = np.ascontiguousarray(
-        meta[:, [0, 1, 3, 2, 2, 6, 5, 5]]
-    )  # gate and up swapped, down pointing at gate: in range, finite
+    # gate and up swapped, down pointing at gate: in range, finite; `garbled` also names another encoding
+    wrong = np.ascontiguousarray(meta[:, [0, 1, 3, 2, 2, 6, 5, 5]])
+    garbled = wrong.copy()
+    garbled[:, 0] = q.CODE_FP8 if kind[0] == q.CODE_INT8 else q.CODE_INT8
     kinds = layer_kinds(meta)
     ids = np.array([[3, 1], [0, 3], [2, 1]], np.int32)
     x = cuda.to_device(rng.standard_normal((T, D)).astype(np.float32))
@@ -349,10 +351,10 @@ def test_a_shared_layout_given_at_launch_gives_the_meta_reads_bits(kind):
         return h.copy_to_host(), y.copy_to_host()
 
     for how in ("slot", "slots", "grouped"):
-        read, given = run(meta, False, how), run(wrong, True, how)
+        read, given, misread = run(meta, False, how), run(garbled, True, how), run(wrong, False, how)
         for a, b in zip(read, given):
             assert np.isfinite(a).all() and np.array_equal(a, b), how
-    assert not np.array_equal(run(wrong, False, "slot")[0], read[0])  # without the layout the device rows are read
+        assert np.isfinite(misread[0]).all() and not np.array_equal(misread[0], read[0]), how
 
 
 def test_shared_layout_and_its_refusals():
