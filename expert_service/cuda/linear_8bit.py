@@ -51,15 +51,15 @@ class Matrix8Bit:
     """One 8-bit matrix [n_out, n_in] on the device: `block` the uint8 range holding it (codes from the meta row's
     matrix offset, per-row float32 scales from its scale offset: linear_q8.matrix_meta), `meta` that row on the
     device, `code` its expert_quant dtype code. Several matrices may share a block (q, k and v of one stacked
-    q|k|v block, each with its own offsets). host_meta: the same row on the host, so one-row launches take its
-    offsets as arguments instead of reading them first (empty: the kernel reads meta)."""
+    q|k|v block, each with its own offsets). host_meta: the same row on the host, so launches take its offsets as
+    arguments instead of reading them first (None: the kernel reads meta)."""
 
     block: DeviceNDArray
     meta: DeviceNDArray
     code: int
     n_out: int
     n_in: int
-    host_meta: tuple[int, ...] = ()
+    host_meta: tuple[int, ...] | None = None
 
     @property
     def takes_mma(self) -> bool:
@@ -248,7 +248,7 @@ class EightBitRows:
             self.linear.linear(rows.x, dense, out, accumulate=accumulate, force_cublas=True, xc=rows.xc)
             return
         if rows.xs is None:
-            layout = matrix.host_meta if matrix.host_meta and self.layout_at_launch else None
+            layout = matrix.host_meta if self.layout_at_launch else None
             args = (matrix.code, matrix.n_out, out, self.bounds, st, accumulate, self.stream_shape, layout)
             launch_linear_q8(rows.x, matrix.block, matrix.meta, *args)
             return

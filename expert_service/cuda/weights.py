@@ -205,7 +205,7 @@ def layer_projections(qkv, o, meta, host_meta: np.ndarray, code: int, D: int, nq
     """Projections8Bit of one layer: qkv and o its two blocks on the device, meta its projection_metas rows there
     and host_meta the same rows on the host."""
     rows = [meta[j : j + 1] for j in range(4)]
-    host = [tuple(int(v) for v in host_meta[j]) for j in range(4)]
+    host = [expert_quant.shared_layout(host_meta[j : j + 1]) for j in range(4)]  # each a one-expert layer's row
     return Projections8Bit(
         qkv=Matrix8Bit(qkv, rows[0], code, nq + 2 * nkv, D, host[0]),
         q=Matrix8Bit(qkv, rows[0], code, nq, D, host[0]),
@@ -261,7 +261,7 @@ class DeviceWeights:
             meta = cuda.to_device(host_meta, stream=stream)
             block = self.dense_buffer[head.offset : head.offset + head.nbytes]
             V, D = self.config.vocab_size, self.config.hidden_size
-            self.head_8bit = Matrix8Bit(block, meta, code, V, D, tuple(int(v) for v in host_meta[0]))
+            self.head_8bit = Matrix8Bit(block, meta, code, V, D, expert_quant.shared_layout(host_meta))
         self.attention_8bit = self._attention_8bit(model.attention_format, stream)
         for i in range(self.config.num_hidden_layers):  # one matrix where the format stored them back to back
             for fused, parts in (

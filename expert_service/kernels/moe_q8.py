@@ -327,12 +327,8 @@ def _kernel(
         meta row read on the device. Grid (slots or E, row blocks), shape.warps * 32 threads."""
         prologue()
         s_id = cuda.blockIdx.x
-        if by_slot == 1:
-            e = ids[s_id]
-            start = s_id
-            end = s_id + 1
-        elif by_slot == 2:
-            e = s_id
+        if by_slot != 0:
+            e = ids[s_id] if by_slot == 1 else s_id
             start = s_id
             end = s_id + 1
         else:
@@ -445,7 +441,7 @@ def _launch(
         src.reshape(src.size),
         order if order is not None else dummy,
         offsets if offsets is not None else dummy,
-        ids.reshape(ids.size) if ids is not None and not direct else dummy,
+        ids.reshape(ids.size) if ids is not None else dummy,
         2 if direct else int(by_slot),
         *buffer_args(experts, meta),
         n_rows,
@@ -473,8 +469,8 @@ def launch_q8_gate_up(
     default every pair, right for any layer at the cost of a launch per absent one. An expert whose pair is not
     listed is not computed. shape: how the rows spread over warps and blocks (DECODE_SHAPE; other shapes are for
     bench/q8_kernels.py --q8-shapes). layout: the meta row every expert of the layer shares (host,
-    `expert_quant.shared_layout`; the same values as meta's rows on the device), whose offsets then go in as launch arguments
-    so the weights' addresses wait only on the expert's id; None: each expert's row read on the device."""
+    `expert_quant.shared_layout`; the same values as meta's rows on the device), whose offsets then go in as launch
+    arguments so the weights' addresses wait only on the expert's id; None: each expert's row read on the device."""
     kinds = check_layer(experts, meta, F, D, slot_of, kinds)
     E = meta.shape[0]
     T = x.shape[0]
