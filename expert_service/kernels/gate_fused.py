@@ -3,7 +3,7 @@ optional renormalisation; the same results as `gemv` + `gate_topk` (reference:
 ``expert_service.cpu.layers.moe.route(x @ Wr.T, K, normalize)``), including gate_topk's handling of
 non-finite rows (valid distinct ids 0..K-1 with NaN weights, so expert kernels never index out of range).
 
-Grid T x G blocks of THREADS threads (one launch; graph-capturable):
+Grid (G, T): G blocks of THREADS threads for each of the T tokens (one launch; graph-capturable):
 - GEMV: block (t, g) computes ROWS = WARPS / SPLIT router rows of token t, SPLIT warps per row, lanes striding
   along D in 16-byte chunks of bf16 weights (`ptx.ld_stream_v4`, x via `ld_v4`, UNROLL chunks in flight) when
   D % 8 == 0, else one element at a time (fp16 / fp32 / odd D). SPLIT grows with D and for small E so that
@@ -99,16 +99,18 @@ def _build(dtype, wide: bool, ranked: bool = False, mode: int = 0):
                 acc += widen(w[base + c]) * x[xbase + c]
             return acc
 
-    def gate_fused_kernel(x, dim, w, n_exp, split, ids, weights, normalize, counter, logits):
+    def gate_fused_kernel(x, dim, w, n_exp, split_shift, ids, weights, normalize, counter, logits):
         """x [T * D] f32 (rows flattened), dim: D; w: router rows [E * D] flattened (uint32 view when wide,
-        else the storage dtype); n_exp: E; split: warps per row; ids [T, K] int32, weights [T, K] f32;
-        normalize: int32 0/1; counter [>= T] int32 (zero on entry, zero again on exit); logits [T, E] f32
-        (written). Grid (T * G,) with G = blocks_per_token(E, split), block (THREADS,)."""
+        else the storage dtype); n_exp: E; split_shift: log2 of the warps per row; ids [T, K] int32, weights
+        [T, K] f32; normalize: int32 0/1; counter [>= T] int32 (zero on entry, zero again on exit); logits [T, E]
+        f32 (written). Grid (G, T) with G = blocks_per_token(E, split), block (THREADS,)."""
         prologue()
-        rows_per_block = WARPS // split
-        n_blocks = (n_exp + rows_per_block - 1) // rows_per_block
-        t = cuda.blockIdx.x // n_blocks
-        blk = cuda.blockIdx.x % n_blocks
+        # the grid's two dimensions and the power-of-two split: no 64-bit division before the first load
+        split = np.int32(1) << split_shift
+        rows_per_block = np.int32(WARPS) >> split_shift
+        n_blocks = cuda.gridDim.x
+        t = cuda.blockIdx.y
+        blk = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -116,11 +118,11 @@ def _build(dtype, wide: bool, ranked: bool = False, mode: int = 0):
         parts = cuda.shared.array((WARPS, 1), np.float32)
         last = cuda.shared.array(1, np.int32)
         n_units = dim // 8 if wide else dim        # chunks (wide) or elements per row
-        per_part = (n_units + split - 1) // split
-        part = warp % split
+        per_part = (n_units + split - 1) >> split_shift
+        part = warp & (split - 1)
         lo = min(part * per_part, n_units)
         hi = min(lo + per_part, n_units)
-        row = blk * rows_per_block + warp // split
+        row = blk * rows_per_block + (warp >> split_shift)
         s = warp_sum(row_dot(x, np.int64(t) * dim, dim, w, row, lo, hi, lane) if row < n_exp
                      else np.float32(0.0))
         if lane == 0:
@@ -165,6 +167,7 @@ def _build(dtype, wide: bool, ranked: bool = False, mode: int = 0):
             select_ranked(probs, total, t, n_exp, top_k, normalize, ids, weights, tid, lane, warp)
             return
 
+        picked = cuda.shared.array(MAX_K, np.float32)
         chosen = np.float32(0.0)
         for k in range(top_k):
             best = np.float32(-1.5)
@@ -186,10 +189,11 @@ def _build(dtype, wide: bool, ranked: bool = False, mode: int = 0):
             chosen += top
             if tid == 0:
                 ids[t, k] = winner
-                weights[t, k] = top
-        if tid == 0 and normalize != 0:
-            for k in range(top_k):                # thread 0 reads back only its own writes
-                weights[t, k] = weights[t, k] / chosen
+                picked[k] = top
+        # the weights from shared memory, one lane each: no read-back of global stores on the critical path
+        cuda.syncthreads()  # every thread of the last block runs the rounds
+        if tid < top_k:
+            weights[t, tid] = picked[tid] / chosen if normalize != 0 else picked[tid]
 
     return gate_fused_kernel, programmatic.compiled(gate_fused_kernel, mode)
 
@@ -264,8 +268,9 @@ def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter,
     split = split_for(n_exp, D, wide)
     flat = weight.reshape(weight.size)
     kernel = _build(np.dtype(weight.dtype).type, wide, ranked, programmatic.mode())[1]
-    kernel[n_tok * blocks_per_token(n_exp, split), THREADS, stream](
-        x.reshape(n_tok * D), np.int64(D), flat.view(np.uint32) if wide else flat, np.int32(n_exp), np.int32(split),
+    kernel[(blocks_per_token(n_exp, split), n_tok), THREADS, stream](
+        x.reshape(n_tok * D), np.int64(D), flat.view(np.uint32) if wide else flat, np.int32(n_exp),
+        np.int32(split.bit_length() - 1),
         ids, weights, np.int32(1 if normalize else 0), counter, logits)
 
 
