@@ -21,7 +21,6 @@ EXPERIMENTAL: frozenset[str] = frozenset(
         "l2_prefetch",
         "ranked_router",
         "programmatic_launch",
-        "q8_layout_at_launch",
     }
 )
 
@@ -145,12 +144,12 @@ class CudaOptions:
     # each weight to float32 (H200, one token: 1.08-1.12x moe_q8; off until the GPU tests that compare int8 steps
     # with the exact cpu backend take it off) (False: moe_q8)
     q8_decode_activations: bool = False
-    # EXPERIMENTAL: 8-bit weight streams (moe_q8 and linear_q8: experts of layers whose experts share one block
-    # layout, the 8-bit LM head and attention projections) take their block offsets as launch arguments, so at one
-    # token the weights' addresses wait on no load but the routed expert's id; the same bits (docs/kernels.md, "Block
-    # layout at launch"; not yet measured on a GPU) (False: each launch reads its meta row on the device first, one
-    # more memory round trip before the stream)
-    q8_layout_at_launch: bool = False
+    # 8-bit weight streams (moe_q8 and linear_q8: experts of layers whose experts share one block layout, the 8-bit
+    # LM head and attention projections) take their block offsets as launch arguments, so at one token the weights'
+    # addresses wait on no load but the routed expert's id; the same bits; H100 qwen3moe-shape int8 b = 1 1.4-3.2 %
+    # faster, larger steps within noise (docs/kernels.md, "Block layout at launch") (False: each launch reads its
+    # meta row on the device first, one more memory round trip before the stream)
+    q8_layout_at_launch: bool = True
     # rows per routed expert from which such a step runs W8A8: on the 128-row tile from
     # moe_grouped_mma.WGMMA_MIN_ROWS (96), on the 64-row one below it. 32: the 64-row tile ran 0.97-2.7x the widening
     # mma.sync kernel at 32-95 rows (H100; qwen3moe-shape int8 prefill 1 x 512 1.2x faster in the engine), 0.76x at 16

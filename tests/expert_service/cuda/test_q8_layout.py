@@ -1,5 +1,5 @@
 """8-bit weight streams with the block layout given at launch (CudaOptions.q8_layout_at_launch) against each
-launch reading its meta row on the device (the default): the same bits on one engine (set_options between them),
+launch reading its meta row on the device (the option off): the same bits on one engine (set_options between them),
 for experts by slot, grouped and through the expert cache's slots, the 8-bit LM head and attention projections
 (GPU only; the simulator tests of moe_q8 and linear_q8 check the kernels themselves)."""
 
@@ -33,11 +33,17 @@ def test_layout_given_equals_meta_read_bit_for_bit(eight_bit_model, cache_slots)
     assert all(shared) if name != "mixed" else any(shared) and not all(shared), (name, shared)
     model = engine.decoder.model
     runners = [model.head_8bit[1], model.attention_8bit.rows] if model.attention_8bit else [model.head_8bit[1]]
-    assert moe.layout(next(iter(layouts))) is None and not any(r.layout_at_launch for r in runners)  # off by default
+    first = next(iter(layouts))  # the first MoE layer is shared in every variant
+
+    def reached(on: bool) -> bool:  # the option reached every 8-bit launcher: experts, head, attention
+        return (moe.layout(first) is not None) is on and all(r.layout_at_launch is on for r in runners)
+
+    assert reached(True), "on by default"
+    engine.decoder.set_options(CudaOptions(q8_layout_at_launch=False))
+    assert reached(False)
     read = one_sequence(engine, decodes=6), run_steps(engine)
-    engine.decoder.set_options(CudaOptions(q8_layout_at_launch=True))
-    # the option reached every 8-bit launcher: experts (the first MoE layer is shared in every variant), head, attention
-    assert moe.layout(next(iter(layouts))) is not None and all(r.layout_at_launch for r in runners)
+    engine.decoder.set_options(CudaOptions())
+    assert reached(True)
     given = one_sequence(engine, decodes=6), run_steps(engine)
     for what, a, b in zip(("one sequence", "ragged batch"), given, read):
         assert_bitwise(a, b, f"{name}, {cache_slots} cache slots, {what}: layout given vs meta read")
