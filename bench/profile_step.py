@@ -101,8 +101,7 @@ VARIANTS = {
     "decode_splits_per_step": {"decode_splits_per_step": True},
     # and parts of one 32-key tile: a lone sequence over 128 tokens in 4 parts a head group instead of 2
     "tile_parts": {"decode_splits_per_step": True, "decode_part_keys": 32},
-    "ranked_router": {"ranked_router": True},
-    "layout": {"q8_layout_at_launch": True},  # 8-bit weight streams given their block layout at launch
+    "meta_read": {"q8_layout_at_launch": False},  # 8-bit weight streams read their block layout on the device
     "programmatic": {"programmatic_launch": 1},  # every kernel of the chain waits first
     "weights_first": {"programmatic_launch": 2},  # the dense GEMVs load their first weights, then wait
     "l2_prefetch": {"l2_prefetch": True},

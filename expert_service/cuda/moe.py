@@ -139,10 +139,7 @@ class DeviceMoe:
             planned = ws.routed_ids[moe_index * n : (moe_index + 1) * n].reshape(T, K)
             launch_gate_planned(x, router, planned, ids, weights, stream=st)
         elif fused_router(T, self.options):
-            ranked = self.options.ranked_router
-            launch_gate_fused(
-                x, router, ids, weights, cfg.norm_topk_prob, logits, ws.router_counter, stream=st, ranked=ranked
-            )
+            launch_gate_fused(x, router, ids, weights, cfg.norm_topk_prob, logits, ws.router_counter, stream=st)
         else:
             self.linear.linear(x, router, logits)
             launch_gate_topk(logits, ids, weights, cfg.norm_topk_prob, stream=st)

@@ -19,7 +19,6 @@ EXPERIMENTAL: frozenset[str] = frozenset(
         "q8_decode_activations",
         "shared_prefix_attention",
         "l2_prefetch",
-        "ranked_router",
         "programmatic_launch",
     }
 )
@@ -74,10 +73,6 @@ class CudaOptions:
     # steps of up to moe_strategy.FUSED_ROUTER_MAX_TOKENS route with gate_fused: router GEMV, softmax, top-k and
     # normalisation in one launch (False: DeviceLinear + gate_topk at every size)
     fused_router: bool = True
-    # EXPERIMENTAL: gate_fused's last block selects the top-k in one pass (each expert's rank counted against the
-    # others at once) instead of K dependent rounds of a warp arg-max: the same ids and weights, bit for bit; the
-    # rounds are ~1.5 µs of a qwen3moe-shape router launch by count, not measured yet (False: the rounds)
-    ranked_router: bool = False
     # EXPERIMENTAL: decode steps launch the kernels of their one-token chain (embedding, norms, GEMVs, RoPE + KV
     # write, decode attention and its reduce, router, 8-bit projections and experts, combine, argmax) in variants
     # that captured graphs join by programmatic edges (sm_90: a kernel's blocks start while the one before drains;

@@ -13,9 +13,7 @@ Grid (G, T): G blocks of THREADS threads for each of the T tokens (one launch; g
 - Selection: each block fences its logits and takes a ticket on counter[t]; the last of the G blocks resets
   the counter to 0 (the buffer must be zero before the first launch; it is again after every launch) and runs
   the softmax and K rounds of a (probability, lowest index) arg-max (warp shuffles; every warp computes the
-  same, warp 0 writes ids / weights), or with `ranked` the softmax and one pass that ranks every expert at once:
-  thread e counts the experts ahead of it (higher probability, or equal and a lower index) and the K of rank < K
-  write their slot, no dependent rounds; both give the same bits. Fences: every writer and every thread of the
+  same, thread 0 keeps each round's pick in shared memory and K lanes write the weights at the end). Fences: every writer and every thread of the
   last block runs `cuda.threadfence()` (`fence.sc.gpu`: each writer / reader pair ordered in the fence-SC order). Two
   `fence.acq_rel.gpu` a block, run by the ticket's thread only, measured the same on the H200 (docs/kernels.md).
 """
@@ -58,7 +56,7 @@ def blocks_per_token(n_exp: int, split: int) -> int:
 
 
 @functools.cache
-def _build(dtype, wide: bool, ranked: bool = False, mode: int = 0):
+def _build(dtype, wide: bool, mode: int = 0):
     """mode: the programmatic-launch variant (kernels/programmatic.py)."""
     widen = widener(dtype)
     prologue = programmatic.prologue(mode)
@@ -163,10 +161,6 @@ def _build(dtype, wide: bool, ranked: bool = False, mode: int = 0):
         total = warp_sum(total)
         for i in range(PER_LANE):
             probs[i] = probs[i] / total if lane + i * WARP < n_exp else np.float32(-1.0)
-        if ranked:
-            select_ranked(probs, total, t, n_exp, top_k, normalize, ids, weights, tid, lane, warp)
-            return
-
         picked = cuda.shared.array(MAX_K, np.float32)
         chosen = np.float32(0.0)
         for k in range(top_k):
@@ -198,53 +192,14 @@ def _build(dtype, wide: bool, ranked: bool = False, mode: int = 0):
     return gate_fused_kernel, programmatic.compiled(gate_fused_kernel, mode)
 
 
-@cuda.jit(device=True, inline=True)
-def select_ranked(probs, total, t, n_exp, top_k, normalize, ids, weights, tid, lane, warp):
-    """The last block's top-k in one pass: probs [PER_LANE] per lane (the same in every warp), total their row's
-    softmax denominator. A non-finite row (total NaN: every probability NaN) gives ids 0..K-1 with NaN weights, as
-    the rounds do."""
-    sp = cuda.shared.array(MAX_E, np.float32)
-    picked_p = cuda.shared.array(MAX_K, np.float32)
-    picked_e = cuda.shared.array(MAX_K, np.int32)
-    if warp == 0:
-        for i in range(PER_LANE):
-            e = lane + i * WARP
-            if e < n_exp:
-                sp[e] = probs[i]
-    cuda.syncthreads()
-    if total != total:
-        if tid < top_k:
-            ids[t, tid] = tid
-            weights[t, tid] = np.float32(math.nan)
-        return
-    for e in range(tid, n_exp, THREADS):
-        p = sp[e]
-        rank = 0
-        for j in range(n_exp):               # every thread reads sp[j] at once: a broadcast
-            q = sp[j]
-            rank += 1 if q > p or (q == p and j < e) else 0
-        if rank < top_k:
-            picked_p[rank] = p
-            picked_e[rank] = e
-    cuda.syncthreads()
-    if tid == 0:
-        chosen = np.float32(0.0)
-        for k in range(top_k):               # the rounds' order: the same sum, the same bits
-            chosen += picked_p[k]
-        for k in range(top_k):
-            ids[t, k] = picked_e[k]
-            weights[t, k] = picked_p[k] / chosen if normalize != 0 else picked_p[k]
-
-
 def _wide(weight, D):
     return np.dtype(weight.dtype) == np.uint16 and D % 8 == 0
 
 
-def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter, stream=0, ranked: bool = False) -> None:
+def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter, stream=0) -> None:
     """x [T, D] f32; weight [E, D] uint16 (bf16) / float16 / float32; ids [T, K] int32, weights [T, K] f32
     (written); logits [T, E] f32 (written: the router logits); counter [>= T] int32, zero before the first
-    launch (a workspace buffer zeroed once: every launch leaves it zero). ranked: the one-pass selection (same
-    results)."""
+    launch (a workspace buffer zeroed once: every launch leaves it zero)."""
     n_tok, D = x.shape
     n_exp = weight.shape[0]
     top_k = ids.shape[1]
@@ -267,7 +222,7 @@ def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter,
     wide = _wide(weight, D)
     split = split_for(n_exp, D, wide)
     flat = weight.reshape(weight.size)
-    kernel = _build(np.dtype(weight.dtype).type, wide, ranked, programmatic.mode())[1]
+    kernel = _build(np.dtype(weight.dtype).type, wide, programmatic.mode())[1]
     kernel[(blocks_per_token(n_exp, split), n_tok), THREADS, stream](
         x.reshape(n_tok * D), np.int64(D), flat.view(np.uint32) if wide else flat, np.int32(n_exp),
         np.int32(split.bit_length() - 1),
@@ -286,7 +241,5 @@ def sm90_signatures():
         for wide in ((True, False) if dtype is np.uint16 else (False,)):
             wt = types.uint32[::1] if wide else types.Array(numpy_support.from_dtype(np.dtype(dtype)), 1, "C")
             out.append((_build(dtype, wide)[0], signature(wt)))
-    # the ranked selection does not depend on the weights' dtype: bf16 wide only
-    out.append((_build(np.uint16, True, True)[0], signature(types.uint32[::1])))
-    out.append((_build(np.uint16, True, False, True)[0], signature(types.uint32[::1])))  # waiting
+    out.append((_build(np.uint16, True, programmatic.WAIT)[0], signature(types.uint32[::1])))
     return out

@@ -52,6 +52,7 @@ def _gate_topk_kernel(logits, ids, weights, normalize):
     post_p = cuda.shared.array((2, WARP), np.float32)
     post_i = cuda.shared.array((2, WARP), np.int32)
     total = np.float32(0.0)
+    mine = np.float32(0.0)  # lane k keeps round k's probability: the weights are written once, never read back
     for k in range(top_k):
         best = np.float32(-1.5)
         best_idx = MAX_E
@@ -80,12 +81,11 @@ def _gate_topk_kernel(logits, ids, weights, normalize):
             if lane + i * WARP == winner:
                 probs[i] = _RETIRED
         total += top
-        if lane == 0:
+        if lane == k:
             ids[t, k] = winner
-            weights[t, k] = top
-    if lane == 0 and normalize != 0:
-        for k in range(top_k):         # lane 0 reads back only its own writes
-            weights[t, k] = weights[t, k] / total
+            mine = top
+    if lane < top_k:
+        weights[t, lane] = mine / total if normalize != 0 else mine
 
 
 def launch_gate_topk(logits, ids, weights, normalize: bool, stream=0) -> None:

@@ -3,8 +3,7 @@
 - Fusions (`rope_kv_write`, `qk_norm_rope_kv_write`, `moe_combine_rmsnorm`): with the options on, each launches
   where expected (counted on eager steps) and every logit equals the unfused path's bit for bit, eager and
   graph-replayed, on every family (fp32 tiny models: GEMV, grouped, all-experts and per-expert cuBLAS MoE
-  strategies) and on bf16 models with 40+ experts (GROUPED_MMA); the ranked router selection the same bits as
-  the rounds'.
+  strategies) and on bf16 models with 40+ experts (GROUPED_MMA).
 - routing=lut: the same steps as the cpu backend's lut path, fed the same random plans: logits within the
   fp32 tolerance (bf16: 1e-2), the same greedy tokens, the plan's experts in the trace, graph replay == eager,
   nothing allocated after warm-up; with the exact routing as its plan, lut equals exact routing (mixtral); and
@@ -120,23 +119,6 @@ def test_fusions_launch_and_equal_the_unfused_path_bit_for_bit(model, monkeypatc
     assert_bitwise(fused, unfused, f"{name}: fused vs unfused")
     graphs.decoder.set_options(unfused_options)  # graphs dropped, re-captured with the fusions off: same bits
     assert_bitwise(run_steps(graphs), unfused, f"{name}: re-captured graphs, fusions off")
-
-
-def test_ranked_router_equals_the_rounds_bit_for_bit(model, monkeypatch):
-    """CudaOptions.ranked_router: gate_fused's one-pass selection, launched by every fused-router step, gives the
-    rounds' logits bit for bit, eager and graph-replayed."""
-    import expert_service.cuda.moe as moe
-
-    name, path = model
-    rounds = run_steps(open_engine(path, cuda_graphs=False))
-    eager = open_engine(path, cuda_graphs=False, cuda_options=CudaOptions(ranked_router=True))
-    router = Spy(monkeypatch, moe, "launch_gate_fused")
-    ranked = run_steps(eager)
-    seen = [kwargs["ranked"] for kwargs in router.kwargs]
-    assert seen and all(seen), f"{name}: {len(seen)} router launches, ranked {sum(seen)}"
-    assert_bitwise(ranked, rounds, f"{name}: ranked vs rounds")
-    replayed = run_steps(open_engine(path, cuda_options=CudaOptions(ranked_router=True)))
-    assert_bitwise(replayed, rounds, f"{name}: ranked, graph replay vs rounds")
 
 
 def test_one_token_steps_take_one_gemv_over_the_stacked_qkv_rows(model, monkeypatch):

@@ -2,9 +2,8 @@
 vs numpy: the logits against
 x @ Wr^T (float64 products of the stored weight values), then ids / weights against
 expert_service.cpu.layers.moe.route on the kernel's own logits (so near-ties cannot flip on rounding), and
-against the two-launch path (gate_topk) semantics for non-finite rows; the release / acquire fences (experimental)
-against the default ones, bit for bit, over many relaunches; the one-pass ranked selection against the rounds, bit
-for bit."""
+against the two-launch path (gate_topk) semantics for non-finite rows; the same ids and weights, bit for bit,
+over many relaunches on one ticket counter."""
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ from expert_service.kernels.gate_fused import launch_gate_fused
 from tests.helpers import random_weight
 
 
-def run(x, w, top_k, normalize, repeat=1, ranked=False):
+def run(x, w, top_k, normalize, repeat=1):
     """Launch `repeat` times on the same buffers (the ticket counter must come back to zero each time)."""
     n_tok, n_exp = x.shape[0], w.shape[0]
     ids = cuda.to_device(np.full((n_tok, top_k), -7, np.int32))
@@ -24,7 +23,7 @@ def run(x, w, top_k, normalize, repeat=1, ranked=False):
     counter = cuda.to_device(np.zeros(n_tok + 3, np.int32))
     d_x, d_w = cuda.to_device(x), cuda.to_device(w)
     for _ in range(repeat):
-        launch_gate_fused(d_x, d_w, ids, weights, normalize, logits, counter, ranked=ranked)
+        launch_gate_fused(d_x, d_w, ids, weights, normalize, logits, counter)
     assert (counter.copy_to_host() == 0).all(), "the last block of each token resets its counter"
     return ids.copy_to_host(), weights.copy_to_host(), logits.copy_to_host()
 
@@ -41,8 +40,6 @@ def check(rng, n_tok, n_exp, top_k, D, dtype, normalize):
     ids2, weights2, _ = run(x, w, top_k, normalize, repeat=2)  # relaunch on the same buffers
     np.testing.assert_array_equal(ids2, ids)
     np.testing.assert_array_equal(weights2, weights)
-    ids3, weights3, logits3 = run(x, w, top_k, normalize, repeat=2, ranked=True)  # the one-pass selection
-    assert np.array_equal(ids3, ids) and np.array_equal(weights3, weights) and np.array_equal(logits3, logits)
 
 
 @pytest.mark.parametrize(
@@ -62,14 +59,13 @@ def test_matches_reference(n_tok, n_exp, top_k, D, dtype, normalize):
     check(np.random.default_rng(n_exp * 10 + D), n_tok, n_exp, top_k, D, dtype, normalize)
 
 
-@pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_non_finite_rows_still_give_valid_ids(bad, ranked):
+def test_non_finite_rows_still_give_valid_ids(bad):
     rng = np.random.default_rng(3)
     w, _ = random_weight(rng, (16, 24), np.uint16)
     x = rng.standard_normal((3, 24)).astype(np.float32)
     x[1, 5] = bad
-    ids, weights, logits = run(x, w, 4, True, ranked=ranked)
+    ids, weights, logits = run(x, w, 4, True)
     assert ((ids >= 0) & (ids < 16)).all() and all(len(set(row)) == 4 for row in ids.tolist())
     assert np.isnan(weights[1]).all()
     for t in (0, 2):
@@ -78,14 +74,13 @@ def test_non_finite_rows_still_give_valid_ids(bad, ranked):
         np.testing.assert_allclose(weights[t : t + 1], ref_w, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("ranked", [False, True])
-def test_ties_go_to_the_lower_index(ranked):
+def test_ties_go_to_the_lower_index():
     w = np.zeros((8, 8), np.float32)
     for e, v in enumerate([1.0, 3.0, 3.0, 0.5, 3.0, -1.0, 0.5, 0.5]):
         w[e, 0] = v
     x = np.zeros((1, 8), np.float32)
     x[0, 0] = 1.0
-    ids, weights, logits = run(x, w, 5, False, ranked=ranked)
+    ids, weights, logits = run(x, w, 5, False)
     assert ids.tolist() == [[1, 2, 4, 0, 3]]
 
 
@@ -112,7 +107,7 @@ def test_gpu_realistic(n_tok, n_exp, top_k, D):
     check(np.random.default_rng(n_tok + n_exp), n_tok, n_exp, top_k, D, np.uint16, True)
 
 
-def assert_relaunches_select_the_same(rng, n_tok, n_exp, top_k, D, repeat, ranked=False):
+def assert_relaunches_select_the_same(rng, n_tok, n_exp, top_k, D, repeat):
     """The last-block ticket selects the same experts launch after launch on one counter: before each launch the logits are poisoned with NaN (a last block reading one before its writer's
     store is visible would give a NaN row: ids 0..K-1, NaN weights) and ids / weights reset to sentinels (a launch
     whose last block never ran would leave them)."""
@@ -128,7 +123,7 @@ def assert_relaunches_select_the_same(rng, n_tok, n_exp, top_k, D, repeat, ranke
         logits.copy_to_device(np.full((n_tok, n_exp), np.nan, np.float32))
         ids.copy_to_device(np.full((n_tok, top_k), -7, np.int32))
         weights.copy_to_device(np.full((n_tok, top_k), -1.0, np.float32))
-        launch_gate_fused(d_x, d_w, ids, weights, True, logits, counter, ranked=ranked)
+        launch_gate_fused(d_x, d_w, ids, weights, True, logits, counter)
         np.testing.assert_array_equal(ids.copy_to_host(), default[0], err_msg=f"launch {i}")
         np.testing.assert_array_equal(weights.copy_to_host(), default[1], err_msg=f"launch {i}")
     assert (counter.copy_to_host() == 0).all(), "the last block of each token resets its counter"
@@ -139,9 +134,8 @@ def test_relaunches_select_the_same():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ranked", [False, True])
 @pytest.mark.parametrize("n_exp,top_k,D", [(8, 2, 4096), (128, 8, 2048)])
 @pytest.mark.parametrize("n_tok", [1, 16, 64])
-def test_relaunches_select_the_same_gpu(n_tok, n_exp, top_k, D, ranked):
+def test_relaunches_select_the_same_gpu(n_tok, n_exp, top_k, D):
     # the logits buffer is poisoned with NaN before every launch, so a stale read changes the selection
-    assert_relaunches_select_the_same(np.random.default_rng(n_tok + n_exp), n_tok, n_exp, top_k, D, 200, ranked)
+    assert_relaunches_select_the_same(np.random.default_rng(n_tok + n_exp), n_tok, n_exp, top_k, D, 200)
