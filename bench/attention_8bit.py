@@ -9,8 +9,8 @@ q|k|v and o_proj at a step of R rows.
          attention_8bit_dense_rows rows each matrix widened into a bf16 scratch for cuBLAS; beside it "-widened"
          (widened at every row count), "-gemm" (the 8-bit GEMM where the engine widens), "-whole" (the GEMM never
          split) and "-stream" (linear_q8 at every row count, one pass over the weights a tile of 4 rows) up to 64
-         rows, and at up to 4 rows "-layout" (the block offsets as launch arguments instead of each launch
-         reading its meta row on the device: CudaOptions.q8_layout_at_launch) and each --q8-shapes
+         rows, and at up to 4 rows "-meta-read" (each launch reading its meta row on the device instead of
+         taking the block offsets as launch arguments: CudaOptions.q8_layout_at_launch off) and each --q8-shapes
          NAME=W/RG/RD/U/WPS[/L] launch shape of the weight stream (moe_q8.LaunchShape).
 
 Per row count: GPU microseconds per layer (the launches of --copies layers of distinct random weights captured in
@@ -110,9 +110,9 @@ def variants(eight, R: int, widest: int, q8_shapes: dict, stream) -> dict:
         if R <= 64:
             out["-stream"] = with_rows(EightBitRows(eight.rows.max_rows, widest, False, stream))
     else:
-        given = EightBitRows(eight.rows.max_rows, widest, True, stream)
-        given.layout_at_launch = True  # the offsets as launch arguments (CudaOptions.q8_layout_at_launch)
-        out["-layout"] = with_rows(given)
+        read = EightBitRows(eight.rows.max_rows, widest, True, stream)
+        read.layout_at_launch = False  # each launch reads its meta row (CudaOptions.q8_layout_at_launch off)
+        out["-meta-read"] = with_rows(read)
         for label, shape in q8_shapes.items():
             out[f"-{label}"] = with_rows(EightBitRows(eight.rows.max_rows, widest, True, stream, stream_shape=shape))
     return out
@@ -154,6 +154,7 @@ def bench_shape(
             linear if cublas is not None else None,
             CudaOptions().attention_8bit_dense_rows,  # the shipped threshold of widening
         )
+        eight.rows.layout_at_launch = CudaOptions().q8_layout_at_launch  # as CudaModel sets it
         nbytes8 = layers[0][2].size + layers[0][3].size
         for R in rows:
             x = cuda.to_device(rng.standard_normal((R, D)).astype(np.float32), stream=stream)

@@ -142,7 +142,7 @@ class CudaOptions:
     # 8-bit weight streams (moe_q8 and linear_q8: experts of layers whose experts share one block layout, the 8-bit
     # LM head and attention projections) take their block offsets as launch arguments, so at one token the weights'
     # addresses wait on no load but the routed expert's id; the same bits; H100 qwen3moe-shape int8 b = 1 1.4-3.2 %
-    # faster, larger steps within noise (docs/kernels.md, "Block layout at launch") (False: each launch reads its
+    # faster, b = 16 0-1 % slower (docs/kernels.md, "Block layout at launch") (False: each launch reads its
     # meta row on the device first, one more memory round trip before the stream)
     q8_layout_at_launch: bool = True
     # rows per routed expert from which such a step runs W8A8: on the 128-row tile from

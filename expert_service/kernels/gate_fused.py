@@ -4,7 +4,7 @@ optional renormalisation; the same results as `gemv` + `gate_topk` (reference:
 non-finite rows (valid distinct ids 0..K-1 with NaN weights, so expert kernels never index out of range).
 
 Grid (G, T): G blocks of THREADS threads for each of the T tokens (one launch; graph-capturable):
-- GEMV: block (t, g) computes ROWS = WARPS / SPLIT router rows of token t, SPLIT warps per row, lanes striding
+- GEMV: block (g, t) computes ROWS = WARPS / SPLIT router rows of token t, SPLIT warps per row, lanes striding
   along D in 16-byte chunks of bf16 weights (`ptx.ld_stream_v4`, x via `ld_v4`, UNROLL chunks in flight) when
   D % 8 == 0, else one element at a time (fp16 / fp32 / odd D). SPLIT grows with D and for small E so that
   G = ceil(E / ROWS) blocks spread the matrix over many SMs (one SM streams only a few tens of GB/s, so a
@@ -13,9 +13,10 @@ Grid (G, T): G blocks of THREADS threads for each of the T tokens (one launch; g
 - Selection: each block fences its logits and takes a ticket on counter[t]; the last of the G blocks resets
   the counter to 0 (the buffer must be zero before the first launch; it is again after every launch) and runs
   the softmax and K rounds of a (probability, lowest index) arg-max (warp shuffles; every warp computes the
-  same, thread 0 keeps each round's pick in shared memory and K lanes write the weights at the end). Fences: every writer and every thread of the
-  last block runs `cuda.threadfence()` (`fence.sc.gpu`: each writer / reader pair ordered in the fence-SC order). Two
-  `fence.acq_rel.gpu` a block, run by the ticket's thread only, measured the same on the H200 (docs/kernels.md).
+  same, thread 0 keeps each round's pick in shared memory and K lanes write the weights at the end). Fences:
+  every writer and every thread of the last block runs `cuda.threadfence()` (`fence.sc.gpu`: each writer / reader
+  pair ordered in the fence-SC order). Two `fence.acq_rel.gpu` a block, run by the ticket's thread only, measured
+  the same on the H200 (docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ WARPS = THREADS // WARP
 MAX_E = 256
 PER_LANE = MAX_E // WARP
 MAX_K = 8
+MAX_TOKENS = 65535  # tokens a launch: the grid's y dimension
 UNROLL = 2 if SIMULATOR else 8      # 16-byte chunks per lane in flight per row (D = 2048 bf16: one round trip)
 MIN_WARPS = 2 if SIMULATOR else 64  # warps streaming the router matrix of one token, at least
 _RETIRED = np.float32(-2.0)
@@ -217,6 +219,8 @@ def launch_gate_fused(x, weight, ids, weights, normalize: bool, logits, counter,
                         ("counter", counter, np.int32)):
         if a.dtype != dt or not a.flags["C_CONTIGUOUS"]:
             raise ValueError(f"{name} must be C-contiguous {np.dtype(dt).name}, got {a.dtype}")
+    if n_tok > MAX_TOKENS:
+        raise ValueError(f"gate_fused takes at most {MAX_TOKENS} tokens a launch (the grid's y dimension), got {n_tok}")
     if n_tok == 0:
         return
     wide = _wide(weight, D)

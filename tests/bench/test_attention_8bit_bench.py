@@ -60,11 +60,11 @@ def test_variants_time_the_widened_path_everywhere_and_the_8bit_gemm_where_the_e
     eight = DeviceAttention8Bit((layer,), weights, 64, stream, linear, dense_rows=16)
     eight.use_options(CudaOptions(attention_8bit_dense_rows=16))
     small, large = variants(eight, 2, max(D, Q), {}, stream), variants(eight, 16, max(D, Q), {}, stream)
-    assert set(small) == {"", "-widened", "-layout"} and small[""] is eight
-    assert small["-layout"].rows.layout_at_launch and not eight.rows.layout_at_launch  # the option's default: off
+    assert set(small) == {"", "-widened", "-meta-read"} and small[""] is eight
+    assert not small["-meta-read"].rows.layout_at_launch
     assert set(large) == {"", "-widened", "-gemm", "-whole", "-stream"}
     assert large["-widened"].rows.dense_at(1) and not large["-gemm"].rows.dense_at(16) and eight.rows.dense_at(16)
     assert not eight.rows.dense_at(MMA_MIN_ROWS)
     without = DeviceAttention8Bit((layer,), weights, 64, stream, dense_rows=32)  # no cuBLAS (the simulator's run)
     without.use_options(CudaOptions())
-    assert set(variants(without, 2, max(D, Q), {}, stream)) == {"", "-layout"}
+    assert set(variants(without, 2, max(D, Q), {}, stream)) == {"", "-meta-read"}

@@ -10,7 +10,7 @@ import pytest
 from numba import cuda
 
 from expert_service.cpu.layers.moe import route
-from expert_service.kernels.gate_fused import launch_gate_fused
+from expert_service.kernels.gate_fused import MAX_TOKENS, launch_gate_fused
 from tests.helpers import random_weight
 
 
@@ -97,6 +97,20 @@ def test_rejects_bad_shapes():
             True,
             cuda.to_device(np.zeros((3, 4), np.float32)),
             cuda.to_device(np.zeros(2, np.int32)),
+        )
+
+
+def test_refuses_more_tokens_than_the_grid_holds():
+    T = MAX_TOKENS + 1
+    with pytest.raises(ValueError, match=f"at most {MAX_TOKENS} tokens"):
+        launch_gate_fused(
+            cuda.to_device(np.ones((T, 8), np.float32)),
+            cuda.to_device(np.ones((4, 8), np.float32)),
+            cuda.to_device(np.zeros((T, 2), np.int32)),
+            cuda.to_device(np.zeros((T, 2), np.float32)),
+            True,
+            cuda.to_device(np.zeros((T, 4), np.float32)),
+            cuda.to_device(np.zeros(T, np.int32)),
         )
 
 
